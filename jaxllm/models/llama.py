@@ -1,0 +1,158 @@
+"""The Llama family in Flax: one implementation for Llama 2/3, Mistral, Qwen2 and SmolLM2.
+
+The forward is pure: ``forward(params, kv_pool, batch) -> (logits, kv_pool)``. Layers are
+scanned (one compiled layer body, whatever the depth), carrying the hidden state and the
+stacked KV pool so that each layer's K/V scatter updates the donated pool in place.
+
+Param tree (stacked leading axis L under "layers"; kernels are [in, out])::
+
+    embed_tokens/embedding                  [V, H]
+    layers/input_layernorm/scale            [L, H]
+    layers/attn/qkv_proj/kernel             [L, H, (Hq + 2 Hkv) D]     (+ bias for Qwen2)
+    layers/attn/o_proj/kernel               [L, Hq D, H]
+    layers/post_attention_layernorm/scale   [L, H]
+    layers/mlp/gate_up_proj/kernel          [L, H, 2 F]
+    layers/mlp/down_proj/kernel             [L, F, H]
+    norm/scale                              [H]
+    lm_head/kernel                          [H, V]                      (absent when tied)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxllm.attention import paged_attention, write_kv
+from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.config import ModelConfig
+from jaxllm.models.rope import apply_rope, rope_cos_sin
+
+Dtype = Any
+
+
+class RMSNorm(nn.Module):
+    eps: float
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return scale * xf.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+    dtype: Dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
+        cfg = self.config
+        dense = lambda n, bias, name: nn.Dense(
+            n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+        q = q.reshape(-1, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv_pool = write_kv(kv_pool, layer, batch.slot_mapping, k, v)
+        out = paged_attention(q, kv_pool, layer, batch, scale=cfg.head_dim ** -0.5,
+                              sliding_window=cfg.sliding_window, backend=self.backend)
+        out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
+        return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+    dtype: Dtype
+
+    @nn.compact
+    def __call__(self, x):
+        f = self.config.intermediate_size
+        gate_up = nn.Dense(2 * f, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
+                           name="gate_up_proj")(x)
+        gate, up = gate_up[..., :f], gate_up[..., f:]
+        return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype,
+                        param_dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dtype: Dtype
+    backend: str
+
+    @nn.compact
+    def __call__(self, carry, cos, sin, batch: BatchMetadata):
+        hidden, kv_pool, layer = carry
+        eps = self.config.rms_norm_eps
+        attn_in = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
+        attn_out, kv_pool = Attention(self.config, self.dtype, self.backend, name="attn")(
+            attn_in, kv_pool, layer, cos, sin, batch)
+        hidden = hidden + attn_out
+        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
+        hidden = hidden + MLP(self.config, self.dtype, name="mlp")(mlp_in)
+        return (hidden, kv_pool, layer + 1), None
+
+
+class LlamaForCausalLM(nn.Module):
+    """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
+
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+    attention_backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, kv_pool: KVPool, batch: BatchMetadata):
+        cfg = self.config
+        embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
+                         param_dtype=self.dtype, name="embed_tokens")
+        hidden = embed(batch.input_ids)  # [T, H]
+        cos, sin = rope_cos_sin(cfg, batch.positions)  # [T, D] each
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_hidden_layers,
+        )(cfg, self.dtype, self.attention_backend, name="layers")
+        (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
+        hidden = hidden[batch.logits_indices]  # [N, H]: the LM head runs only where needed
+        hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hidden)
+        if cfg.tie_word_embeddings:
+            logits = embed.attend(hidden)
+        else:
+            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                              param_dtype=self.dtype, name="lm_head")(hidden)
+        return logits.astype(jnp.float32), kv_pool
+
+
+ForwardFn = Callable[[Any, KVPool, BatchMetadata], tuple[jax.Array, KVPool]]
+
+
+def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
+                 attention_backend: str = "auto") -> ForwardFn:
+    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
+    model = LlamaForCausalLM(config, dtype, attention_backend)
+
+    def forward(params, kv_pool: KVPool, batch: BatchMetadata):
+        return model.apply({"params": params}, kv_pool, batch)
+
+    return forward
+
+
+def param_shapes(config: ModelConfig, dtype: Dtype) -> Any:
+    """Param tree of ``jax.ShapeDtypeStruct`` without allocating anything."""
+    model = LlamaForCausalLM(config, dtype)
+    kv = KVPool.zeros(config.num_hidden_layers, 2, 1, config.num_key_value_heads,
+                      config.head_dim, dtype)
+    one = jnp.zeros((1,), jnp.int32)
+    batch = BatchMetadata(one, one, one, jnp.zeros((1, 1), jnp.int32), one,
+                          jnp.zeros((2,), jnp.int32), one)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), kv, batch))
+    return shapes["params"]
