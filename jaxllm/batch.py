@@ -40,7 +40,7 @@ class KVPool:
 
     @classmethod
     def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: jnp.dtype) -> "KVPool":
+              head_dim: int, dtype: jnp.dtype) -> KVPool:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 

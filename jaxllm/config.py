@@ -8,7 +8,8 @@ Mistral (sliding window), Qwen2 (q/k/v bias) and SmolLM2 (tied embeddings) diffe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxllm.errors import UnsupportedModelError
 
@@ -98,12 +99,12 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any]) -> "ModelConfig":
+    def from_hf_config(cls, hf: Mapping[str, Any]) -> ModelConfig:
         """Builds a config from the parsed ``config.json`` of a Hugging Face checkpoint."""
         archs = hf.get("architectures") or []
         arch = archs[0] if archs else _MODEL_TYPE_TO_ARCH.get(hf.get("model_type", ""), "")
@@ -120,6 +121,9 @@ class ModelConfig:
             vocab = int(hf["vocab_size"])
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"hidden_act {act!r} is not supported; only 'silu'")
         kv_heads = int(hf.get("num_key_value_heads") or heads)
         head_dim = int(hf.get("head_dim") or hidden // heads)
         eos = hf.get("eos_token_id")
@@ -152,7 +156,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, tied: bool) -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, tied: bool) -> ModelConfig:
         """Builds a config from GGUF key/values (``llama.*``, ``tokenizer.ggml.*``).
 
         ``tied`` says whether the file lacks an ``output.weight`` tensor (tied embeddings).

@@ -7,7 +7,8 @@ the config and builds the tree documented in :mod:`jaxllm.models.llama`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np

@@ -25,4 +25,5 @@ def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0) -> Any:
         return jax.jit(lambda k: jax.random.uniform(
             k, leaf.shape, leaf.dtype, -DUMMY_RANGE, DUMMY_RANGE))(key)
 
-    return jax.tree.unflatten(treedef, [make(k, leaf) for k, leaf in zip(keys, leaves)])
+    made = [make(key, leaf) for key, leaf in zip(keys, leaves, strict=True)]
+    return jax.tree.unflatten(treedef, made)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -27,8 +27,10 @@ class SafetensorsFile:
         try:
             with open(path, "rb") as f:
                 (header_len,) = struct.unpack("<Q", f.read(8))
+                if header_len > os.path.getsize(path) - 8:
+                    raise ValueError(f"header length {header_len} exceeds the file size")
                 header = json.loads(f.read(header_len))
-        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
         header.pop("__metadata__", None)
         self._entries = header
@@ -46,6 +48,10 @@ class SafetensorsFile:
                                  f"{entry['dtype']}")
         start, end = entry["data_offsets"]
         raw = self._mmap[self._data_start + start: self._data_start + end]
+        count = int(np.prod(entry["shape"], dtype=np.int64))
+        if end < start or raw.size != count * np.dtype(dtype).itemsize:
+            raise ModelLoadError(f"{self.path}: tensor {name!r} data is truncated or its "
+                                 f"offsets {entry['data_offsets']} do not match its shape")
         return raw.view(dtype).reshape(entry["shape"])
 
 

@@ -6,7 +6,8 @@ Both give a ``transformers.PreTrainedTokenizerFast`` (encode, decode, chat templ
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jaxllm.errors import ModelLoadError, UnsupportedModelError
 
@@ -35,8 +36,15 @@ def load_hf_tokenizer(model_dir: str) -> Any:
 
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     """Builds the byte-level BPE tokenizer stored in GGUF ``tokenizer.ggml.*`` fields."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
     from transformers import PreTrainedTokenizerFast
 
     kind = meta.get("tokenizer.ggml.model")
@@ -67,9 +75,9 @@ def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
             pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind_ in zip(tokens, types) if kind_ == _CONTROL])
+                            for t, kind_ in zip(tokens, types, strict=True) if kind_ == _CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED])
+                    for t, kind_ in zip(tokens, types, strict=True) if kind_ == _USER_DEFINED])
 
     def token(key: str) -> str | None:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")

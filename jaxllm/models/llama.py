@@ -19,7 +19,8 @@ Param tree (stacked leading axis L under "layers"; kernels are [in, out])::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -28,8 +28,16 @@ import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -94,10 +102,14 @@ def greedy_with_cache(model, prompt_ids, n):
 
 @torch.no_grad()
 def greedy_full_recompute(model, ids, n):
-    seq = list(ids)
+    """Manual greedy decoding, full forward each step (no cache); returns (ids, top1-top2 margins)."""
+    seq, margins = list(ids), []
     for _ in range(n):
-        seq.append(int(torch.argmax(model(torch.tensor([seq])).logits[0, -1])))
-    return seq[len(ids):]
+        logits = model(torch.tensor([seq])).logits[0, -1]
+        top2 = torch.topk(logits, 2).values
+        seq.append(int(torch.argmax(logits)))
+        margins.append(float(top2[0] - top2[1]))
+    return seq[len(ids):], margins
 
 
 def make_smollm2(gguf_path: Path):
@@ -158,7 +170,10 @@ def make_smollm2(gguf_path: Path):
                            "tokenizer_unk": [tok.unk_token, tok.unk_token_id],
                            "config_bos_token_id": cfg.bos_token_id, "config_eos_token_id": cfg.eos_token_id,
                            "config_pad_token_id": cfg.pad_token_id,
-                           "all_special_tokens": tok.all_special_tokens},
+                           "all_special_tokens": tok.all_special_tokens,
+                           # GGUF token_type == 3 (control) tokens; they match atomically in text.
+                           "added_special_tokens": {str(i): t.content for i, t in
+                                                    sorted(tok.added_tokens_decoder.items())}},
         "prompts": prompts,
         "decode_checks": decode_checks,
         "chat_template_source": tok.chat_template,
@@ -219,12 +234,13 @@ def make_tiny(name, cls, config, seed):
     input_ids = torch.randint(0, config.vocab_size, (SEQ_LEN,), generator=g)
     with torch.no_grad():
         logits = model(input_ids[None]).logits[0].float()
-    greedy = greedy_full_recompute(model, input_ids.tolist(), TINY_GREEDY)
+    greedy, margins = greedy_full_recompute(model, input_ids.tolist(), TINY_GREEDY)
     np.savez_compressed(out_dir / "reference_logits.npz", input_ids=input_ids.numpy().astype(np.int32),
-                        logits=logits.numpy().astype(np.float32), greedy_ids=np.array(greedy, np.int32))
+                        logits=logits.numpy().astype(np.float32), greedy_ids=np.array(greedy, np.int32),
+                        greedy_top2_margins=np.array(margins, np.float32))
     files = sorted(p.name for p in out_dir.iterdir())
     print(f"  {name:20s} logits std {logits.std():.3f}  max softmax p {logits.softmax(-1).max():.3f}  "
-          f"greedy {greedy}\n  {'':20s} files {files}")
+          f"min greedy margin {min(margins):.4f}\n  {'':20s} greedy {greedy}\n  {'':20s} files {files}")
 
     if name == "mistral_sliding":  # the sliding window must actually change attention in HF
         full = cls.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",

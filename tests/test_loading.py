@@ -1,0 +1,183 @@
+"""Loading Hugging Face directories, GGUF files and dummy weights, and the errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import PagedRunner
+
+import jaxllm
+from jaxllm import ModelConfig, ModelLoadError, UnsupportedModelError
+
+TINY_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "tiny")
+TINY_NAMES = ["llama3_rope_scaling", "llama2_tied", "qwen2_bias", "mistral_sliding"]
+
+
+def reference(name):
+    return np.load(os.path.join(TINY_DIR, name, "reference_logits.npz"))
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_hf_directory_matches_transformers_logits(name):
+    model = jaxllm.load_model(os.path.join(TINY_DIR, name), dtype="float32")
+    ref = reference(name)
+    ids = ref["input_ids"].tolist()
+    logits = PagedRunner(model.config, model.params, block_size=8).run(
+        ids, [len(ids)], list(range(1, 1 + len(ids) // 8 + 1)))
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
+    out = jaxllm.generate(model.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
+                          jax.random.key(0), config=model.config, max_new_tokens=16)
+    assert np.asarray(out.tokens[0]).tolist() == ref["greedy_ids"].tolist()
+
+
+def test_configs_from_hf_carry_family_features():
+    load = lambda n: json.load(open(os.path.join(TINY_DIR, n, "config.json")))
+    llama3 = ModelConfig.from_hf_config(load("llama3_rope_scaling"))
+    assert llama3.rope_scaling.rope_type == "llama3" and llama3.rope_scaling.factor == 8.0
+    assert ModelConfig.from_hf_config(load("llama2_tied")).tie_word_embeddings
+    assert ModelConfig.from_hf_config(load("qwen2_bias")).attention_bias
+    assert ModelConfig.from_hf_config(load("mistral_sliding")).sliding_window == 8
+
+
+@pytest.mark.parametrize("dtype, expected", [("bfloat16", jnp.bfloat16), ("float16", jnp.float16),
+                                             ("float32", jnp.float32)])
+def test_dtypes(dtype, expected):
+    model = jaxllm.load_model(os.path.join(TINY_DIR, "qwen2_bias"), dtype=dtype)
+    assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(expected)}
+
+
+def test_dummy_weights_have_the_real_shapes_without_reading_files():
+    cfg = ModelConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=16)
+    model = jaxllm.load_model(load_format="dummy", config=cfg, dtype="bfloat16")
+    layers = model.params["layers"]
+    assert layers["attn"]["qkv_proj"]["kernel"].shape == (3, 128, (8 + 2 * 2) * 16)
+    assert layers["mlp"]["gate_up_proj"]["kernel"].shape == (3, 128, 512)
+    assert model.params["lm_head"]["kernel"].shape == (128, 1000)
+    values = np.asarray(layers["attn"]["o_proj"]["kernel"], np.float32)
+    assert 0 < np.abs(values).max() <= 1e-3
+    # A config.json alone is enough for dummy weights.
+    path = os.path.join(TINY_DIR, "llama2_tied", "config.json")
+    assert jaxllm.load_model(path, load_format="dummy").config.tie_word_embeddings
+
+
+def test_missing_model_path():
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        jaxllm.load_model("/no/such/model")
+
+
+def test_unsupported_architecture(tmp_path):
+    shutil.copytree(os.path.join(TINY_DIR, "llama2_tied"), tmp_path / "m")
+    cfg = json.load(open(tmp_path / "m" / "config.json"))
+    cfg["architectures"], cfg["model_type"] = ["GPTNeoXForCausalLM"], "gpt_neox"
+    json.dump(cfg, open(tmp_path / "m" / "config.json", "w"))
+    with pytest.raises(UnsupportedModelError, match="GPTNeoXForCausalLM.*not supported"):
+        jaxllm.load_model(str(tmp_path / "m"))
+
+
+def test_unsupported_rope_scaling_and_activation():
+    base = json.load(open(os.path.join(TINY_DIR, "llama2_tied", "config.json")))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf_config(base | {"rope_scaling": {"rope_type": "yarn", "factor": 4}})
+    with pytest.raises(UnsupportedModelError, match="gelu"):
+        ModelConfig.from_hf_config(base | {"hidden_act": "gelu"})
+
+
+def test_mismatched_tensor_shapes(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(os.path.join(TINY_DIR, "llama2_tied"), tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name] = weights[name][:, :-1].copy()
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"down_proj.weight.*shape \(64, 127\).*\(64, 128\)"):
+        jaxllm.load_model(str(tmp_path / "m"))
+
+
+def test_missing_tensor_and_corrupt_file(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(os.path.join(TINY_DIR, "llama2_tied"), tmp_path / "m")
+    weights = load_file(tmp_path / "m" / "model.safetensors")
+    del weights["model.layers.0.self_attn.k_proj.weight"]
+    save_file(weights, tmp_path / "m" / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="missing tensors.*k_proj"):
+        jaxllm.load_model(str(tmp_path / "m"))
+    (tmp_path / "m" / "model.safetensors").write_bytes(b"\x05not a file")
+    with pytest.raises(ModelLoadError, match="not a readable safetensors"):
+        jaxllm.load_model(str(tmp_path / "m"))
+
+
+def _write_gguf(path, tensor_type):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_context_length(64)
+    writer.add_vocab_size(8)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([chr(ord("a") + i) for i in range(8)])
+    rng = np.random.default_rng(0)
+    shapes = {"token_embd.weight": (8, 32), "output_norm.weight": (32,),
+              "blk.0.attn_norm.weight": (32,), "blk.0.ffn_norm.weight": (32,),
+              "blk.0.attn_q.weight": (32, 32), "blk.0.attn_k.weight": (32, 32),
+              "blk.0.attn_v.weight": (32, 32), "blk.0.attn_output.weight": (32, 32),
+              "blk.0.ffn_gate.weight": (64, 32), "blk.0.ffn_up.weight": (64, 32),
+              "blk.0.ffn_down.weight": (32, 64)}
+    for name, shape in shapes.items():
+        data = rng.standard_normal(shape).astype(np.float32)
+        if len(shape) == 2 and tensor_type != gguf.GGMLQuantizationType.F32:
+            raw = gguf.quants.quantize(np.tile(data, (1, 8)) if shape[1] < 256 else data,
+                                       tensor_type)
+            writer.add_tensor(name, raw, raw_dtype=tensor_type)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_loads_and_runs(tmp_path):
+    import gguf
+
+    _write_gguf(tmp_path / "ok.gguf", gguf.GGMLQuantizationType.F32)
+    model = jaxllm.load_model(str(tmp_path / "ok.gguf"))
+    assert model.config.tie_word_embeddings and model.config.num_hidden_layers == 1
+    out = jaxllm.generate(model.params, jnp.asarray([[1, 2, 3]]), jnp.asarray([3]),
+                          jax.random.key(0), config=model.config, max_new_tokens=3)
+    assert out.tokens.shape == (1, 3)
+
+
+def test_gguf_with_unsupported_quantization_type(tmp_path):
+    import gguf
+
+    _write_gguf(tmp_path / "tq.gguf", gguf.GGMLQuantizationType.TQ1_0)
+    with pytest.raises(UnsupportedModelError, match="TQ1_0 not supported; supported: F32"):
+        jaxllm.load_model(str(tmp_path / "tq.gguf"))
+
+
+def test_not_a_gguf_file(tmp_path):
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        jaxllm.load_model(str(tmp_path / "bad.gguf"))
+
+
+def test_bad_dtype_and_load_format():
+    with pytest.raises(ValueError, match="dtype 'int4' must be one of"):
+        jaxllm.load_model(os.path.join(TINY_DIR, "qwen2_bias"), dtype="int4")
+    with pytest.raises(ValueError, match="load_format 'pt' must be one of"):
+        jaxllm.load_model(os.path.join(TINY_DIR, "qwen2_bias"), load_format="pt")
