@@ -1,0 +1,86 @@
+"""Engine configuration: the flags of ``jaxllm serve`` / ``LLM(...)`` in one frozen dataclass.
+
+Names and defaults follow vLLM where the meaning matches (``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--gpu-memory-utilization`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = (None, "recompute", "swap")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+HASH_ALGOS = ("builtin", "sha256")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits and memory settings. ``None`` fields are filled in by the engine
+    (from the model config and the device) and then frozen again."""
+
+    model: str | None = None  # HF dir, .gguf file or config.json (dummy); None = default model
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # default: 2048 (GPU) / 512 (CPU)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks
+    cpu_kv_cache_space: float = 4.0  # GiB for the KV pool when running on CPU
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False  # no warm-up, no XLA command buffers (debugging)
+    enable_prefix_caching: bool = False
+    prefix_caching_hash_algo: str = "builtin"
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str | None = None  # None: recompute for single sequences, swap for n > 1
+    compilation_cache_dir: str | None = os.path.join(
+        os.path.expanduser("~"), ".cache", "jaxllm", "xla")
+    attention_backend: str = "auto"
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.block_size in BLOCK_SIZES,
+             f"block_size={self.block_size} must be one of {BLOCK_SIZES}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        need(self.max_model_len is None or self.max_model_len >= 2,
+             f"max_model_len={self.max_model_len} must be >= 2")
+        need(0 < self.gpu_memory_utilization <= 1,
+             f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        need(self.swap_space >= 0, f"swap_space={self.swap_space} must be >= 0 GiB")
+        need(self.cpu_kv_cache_space > 0,
+             f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 GiB")
+        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+             f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be >= 2 "
+             "(block 0 is reserved)")
+        need(self.scheduling_policy in SCHEDULING_POLICIES,
+             f"scheduling_policy={self.scheduling_policy!r} must be one of "
+             f"{SCHEDULING_POLICIES}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode={self.preemption_mode!r} must be one of recompute, swap")
+        need(self.prefix_caching_hash_algo in HASH_ALGOS,
+             f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r} must be one of "
+             f"{HASH_ALGOS}")
+
+    def replace(self, **changes) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs, resolved: every limit is a concrete number."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    policy: str = "fcfs"
+    preemption_mode: str | None = None

@@ -1,0 +1,93 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and validation ranges."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GREEDY_TEMPERATURE = 1e-5  # below this, temperature means greedy (as in vLLM)
+MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` is greedy; ``top_k`` 0 or -1 is off."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # prompt + output tokens; >1 discourages repeats
+    presence_penalty: float = 0.0  # output tokens only
+    frequency_penalty: float = 0.0  # output tokens only
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per output token, plus the chosen one
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # Accept a single string / lists from callers, store tuples (hashable, frozen).
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        self._validate()
+
+    def _validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        def number(name: str) -> float:
+            value = getattr(self, name)
+            need(isinstance(value, (int, float)) and not isinstance(value, bool)
+                 and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+            return value
+
+        need(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}")
+        need(number("temperature") >= 0, f"temperature must be non-negative, got "
+                                          f"{self.temperature}")
+        need(0 < number("top_p") <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0,
+             f"top_k must be -1 (disable), or at least 1, got {self.top_k}")
+        need(0 <= number("min_p") <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        need(0 < number("repetition_penalty") <= 2,
+             f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        need(-2 <= number("presence_penalty") <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        need(-2 <= number("frequency_penalty") <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(self.max_tokens is None or (isinstance(self.max_tokens, int)
+                                         and self.max_tokens >= 1),
+             f"max_tokens must be at least 1, got {self.max_tokens}")
+        need(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+             f"min_tokens must be greater than or equal to 0, got {self.min_tokens}")
+        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+             f"got {self.min_tokens}")
+        need(self.logprobs is None or (isinstance(self.logprobs, int)
+                                       and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        need(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got "
+                                                              f"{self.seed!r}")
+        need(all(isinstance(s, str) and s for s in self.stop),
+             "stop must be a string or a list of non-empty strings")
+        need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be non-negative integers")
+        need(not (self.is_greedy and self.n > 1),
+             f"n must be 1 when using greedy sampling, got {self.n}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)

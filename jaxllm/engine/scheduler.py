@@ -1,0 +1,378 @@
+"""Continuous-batching scheduler: plain Python, no ``jax``.
+
+Queues hold :class:`SequenceGroup` s: ``waiting`` (new or preempted by recompute), ``running``
+and ``swapped`` (KV blocks parked in host memory). ``schedule()`` decides, each step, how many
+tokens of which sequences the model computes, and which KV blocks move or get copied first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.config import SchedulerConfig
+from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    """Compute tokens ``token_ids[start:start + num_new_tokens]`` of ``seq`` this step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    block_table: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SampleRow:
+    """Sample one token for ``seq`` from the logits of ``source``'s last scheduled token
+    (``source`` is ``seq`` itself, or the parent when a request forks into n samples)."""
+
+    seq: Sequence
+    source: Sequence
+    group: SequenceGroup
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    sample_rows: list[SampleRow] = dataclasses.field(default_factory=list)
+    # Device-side block moves, applied in this order before the forward:
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.blocks_to_swap_out)
+
+
+@dataclasses.dataclass
+class _Budget:
+    tokens: int
+    seqs: int
+
+
+class RequestRejectedError(ValueError):
+    """A request that can never be scheduled (too long for the model or the KV pool)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 seq_ids: Callable[[], int] | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        needed = -(-config.max_model_len // self.block_size)
+        if needed > block_manager.num_gpu_blocks - 1:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} needs {needed} blocks of "
+                f"{self.block_size} tokens but the KV pool has "
+                f"{block_manager.num_gpu_blocks - 1}: one sequence could never finish")
+        self.waiting: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions = 0
+        self._next_seq_id = seq_ids or itertools.count(1_000_000_000).__next__
+        self._order = itertools.count()  # tie-breaker: admission order
+        self._keys: dict[str, tuple] = {}
+
+    # ------------------------------------------------------------------ queues
+    def add(self, group: SequenceGroup) -> None:
+        """Queues a request, or raises RequestRejectedError if it can never run."""
+        prompt_len = len(group.prompt_token_ids)
+        limit = self.config.max_model_len
+        if prompt_len == 0:
+            raise RequestRejectedError("the prompt must contain at least one token")
+        if prompt_len >= limit:
+            raise RequestRejectedError(
+                f"Input prompt ({prompt_len} tokens) is too long and exceeds limit of "
+                f"{limit - 1} (max_model_len={limit})")
+        if group.params.n > self.config.max_num_seqs:
+            raise RequestRejectedError(
+                f"n={group.params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        if self.config.policy == "priority":
+            key = (group.priority, group.arrival_time, next(self._order))
+        else:
+            key = (group.arrival_time, next(self._order))
+        self._keys[group.request_id] = key
+        self.waiting.append(group)
+
+    def abort(self, request_id: str) -> SequenceGroup | None:
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in queue:
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.unfinished_seqs():
+                        self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
+                    self._keys.pop(request_id, None)
+                    return group
+        return None
+
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.block_manager.free(seq.seq_id)
+        seq.status = status
+
+    def pop_finished(self) -> list[SequenceGroup]:
+        """Removes and returns running groups whose every sequence has finished."""
+        done = [g for g in self.running if g.is_finished]
+        if done:
+            self.running = [g for g in self.running if not g.is_finished]
+            for group in done:
+                self._keys.pop(group.request_id, None)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def num_seqs(self, queue: list[SequenceGroup]) -> int:
+        return sum(len(g.unfinished_seqs()) for g in queue)
+
+    def _key(self, group: SequenceGroup) -> tuple:
+        return self._keys[group.request_id]
+
+    # ---------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        """One step's work.
+
+        The rule: every sequence has ``num_computed_tokens`` catching up with its token count;
+        there are no prefill or decode phases. In policy order (fcfs: arrival; priority:
+        (priority, arrival)), running sequences first get their missing tokens (1 when
+        decoding, a chunk of a long prompt otherwise) within ``max_num_batched_tokens``; when
+        the pool has no block left, the lowest-priority running group is preempted (recompute
+        for a single sequence, swap for a parallel-sampling group, or ``preemption_mode``),
+        possibly the group being scheduled. Only if nobody was preempted, swapped groups and
+        then waiting groups are admitted in policy order (priority: one merged order) until
+        the token budget, ``max_num_seqs`` or free blocks run out; the first that does not fit
+        stops admission, so nobody overtakes. Under ``priority``, running groups that rank
+        below the best waiting request are first preempted until it fits.
+        Scheduled tokens count as computed at once (``num_computed_tokens`` advances here).
+        """
+        out = SchedulerOutput()
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        if self.config.policy == "priority":
+            self._preempt_for_priority(out)
+        self.running.sort(key=self._key)
+        preempted_before = len(out.preempted)
+        index = 0
+        while index < len(self.running):
+            group = self.running[index]
+            if self._schedule_running(group, budget, out):
+                index += 1
+        if len(out.preempted) == preempted_before:
+            self._admit(budget, out)
+        for item in out.scheduled:
+            item.block_table = self.block_manager.block_table(item.seq.seq_id)
+        return out
+
+    def _schedule_running(self, group: SequenceGroup, budget: _Budget,
+                          out: SchedulerOutput) -> bool:
+        """Schedules a running group's missing tokens. False if the group itself was
+        preempted (it has left ``running``)."""
+        planned: list[tuple[Sequence, int]] = []
+        tokens, seqs = budget.tokens, budget.seqs
+        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+            num_new = min(seq.num_uncomputed_tokens, tokens)
+            if num_new == 0 or seqs == 0:
+                break
+            planned.append((seq, num_new))
+            tokens, seqs = tokens - num_new, seqs - 1
+        # Make room for the whole group before allocating anything: a group preempted after
+        # some of its sequences were allocated would leave prefix-cache entries for blocks
+        # that never got written.
+        needed = self._blocks_needed(planned, shared=len(group.seqs) > 1)
+        while needed > self.block_manager.num_free_blocks:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is group:
+                return False
+        for seq, num_new in planned:
+            copies = self.block_manager.allocate_slots(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new)
+            if copies is None:  # cached-block accounting made the estimate optimistic
+                self._unschedule(group, budget, out)
+                self._preempt(group, out)
+                self.block_manager.reset_prefix_cache()  # drop hashes of unwritten blocks
+                return False
+            self._commit(group, seq, num_new, copies, budget, out)
+        for seq in group.seqs_with_status(SequenceStatus.WAITING):
+            if not self._admit_seq(group, seq, budget, out):
+                break
+        return True
+
+    def _blocks_needed(self, planned: list[tuple[Sequence, int]], shared: bool) -> int:
+        """Upper bound of new blocks (one copy-on-write block each when blocks are shared)."""
+        needed = 0
+        for seq, num_new in planned:
+            have = len(self.block_manager.block_table(seq.seq_id))
+            blocks = -(-(seq.num_computed_tokens + num_new) // self.block_size)
+            needed += max(0, blocks - have) + (1 if shared else 0)
+        return needed
+
+    def _admit(self, budget: _Budget, out: SchedulerOutput) -> None:
+        if self.config.policy == "priority":
+            candidates = sorted(self.swapped + self.waiting, key=self._key)
+        else:
+            candidates = sorted(self.swapped, key=self._key) + sorted(self.waiting,
+                                                                       key=self._key)
+        for group in candidates:
+            if budget.tokens == 0:
+                return
+            if group in self.swapped:
+                if self._swap_in(group, budget, out):
+                    continue
+                if self.running or out.scheduled:
+                    return
+                # Nothing runs and the group still does not fit as a whole: recompute its
+                # sequences one by one instead of waiting for space that will never free up.
+                self._swapped_to_waiting(group)
+                if not self._admit_waiting(group, budget, out):
+                    return
+            elif not self._admit_waiting(group, budget, out):
+                return
+
+    def _swap_in(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput) -> bool:
+        seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
+        ids = [s.seq_id for s in seqs]
+        if len(seqs) > budget.seqs or len(seqs) > budget.tokens:
+            return False
+        # Room for the swapped blocks plus one new block per sequence, so that scheduling
+        # it right after never preempts (a swap-out after a swap-in in one step would read
+        # blocks not yet written).
+        worst_case = sum(-(-s.num_tokens // self.block_size) + 1 for s in seqs)
+        if worst_case > self.block_manager.num_free_blocks:
+            return False
+        if not self.block_manager.can_swap_in(ids):
+            return False
+        out.blocks_to_swap_in.extend(self.block_manager.swap_in(ids))
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        self.swapped.remove(group)
+        self.running.append(group)
+        self._schedule_running(group, budget, out)
+        return True
+
+    def _admit_waiting(self, group: SequenceGroup, budget: _Budget,
+                       out: SchedulerOutput) -> bool:
+        """Admits a waiting group (its sequences one by one, as blocks allow; the rest are
+        admitted in later steps while the group runs). False if none fit."""
+        seqs = group.seqs_with_status(SequenceStatus.WAITING)
+        seq_cost = group.params.n if group.needs_fork else 1
+        if seq_cost > budget.seqs or not self._admit_seq(group, seqs[0], budget, out):
+            return False
+        self.waiting.remove(group)
+        self.running.append(group)
+        for seq in seqs[1:]:
+            if not self._admit_seq(group, seq, budget, out):
+                break
+        return True
+
+    def _admit_seq(self, group: SequenceGroup, seq: Sequence, budget: _Budget,
+                   out: SchedulerOutput) -> bool:
+        if budget.seqs == 0 or budget.tokens == 0:
+            return False
+        cached_blocks, num_cached = self.block_manager.lookup_prefix(seq.token_ids)
+        num_new = min(seq.num_tokens - num_cached, budget.tokens)
+        copies = self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_cached,
+                                                   num_new, cached_blocks)
+        if copies is None:
+            return False
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_cached
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.num_cached_tokens = num_cached
+        self._commit(group, seq, num_new, copies, budget, out)
+        return True
+
+    def _swapped_to_waiting(self, group: SequenceGroup) -> None:
+        for seq in group.seqs_with_status(SequenceStatus.SWAPPED):
+            self.block_manager.free(seq.seq_id)
+            seq.reset_for_recompute()
+        self.swapped.remove(group)
+        self.waiting.append(group)
+
+    def _commit(self, group: SequenceGroup, seq: Sequence, num_new: int,
+                copies: list[tuple[int, int]], budget: _Budget, out: SchedulerOutput) -> None:
+        out.blocks_to_copy.extend(copies)
+        if group.metrics.first_scheduled_time is None:
+            group.metrics.first_scheduled_time = time.monotonic()
+        out.scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+        seq.num_computed_tokens += num_new
+        budget.tokens -= num_new
+        budget.seqs -= 1
+        if seq.num_computed_tokens < seq.num_tokens:
+            return  # a chunk of a longer prompt: no token to sample yet
+        out.sample_rows.append(SampleRow(seq, seq, group))
+        if group.needs_fork:
+            for index in range(len(group.seqs), group.params.n):
+                child = seq.fork(self._next_seq_id(), index, seed=seq.seed + index)
+                self.block_manager.fork(seq.seq_id, child.seq_id)
+                group.seqs.append(child)
+                out.sample_rows.append(SampleRow(child, seq, group))
+                budget.seqs -= 1
+
+    def _unschedule(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput) -> None:
+        """Takes back what this step already gave ``group`` (it is about to be preempted)."""
+        mine = {id(s) for s in group.seqs}
+        for item in [s for s in out.scheduled if id(s.seq) in mine]:
+            out.scheduled.remove(item)
+            item.seq.num_computed_tokens = item.start
+            budget.tokens += item.num_new_tokens
+            budget.seqs += 1
+        out.sample_rows = [r for r in out.sample_rows if id(r.seq) not in mine]
+
+    # -------------------------------------------------------------- preemption
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
+        mode = self.config.preemption_mode or ("recompute" if len(seqs) == 1 else "swap")
+        ids = [s.seq_id for s in seqs]
+        if mode == "swap" and not self.block_manager.can_swap_out(ids):
+            logger.warning("request %s: no swap space left (increase --swap-space); "
+                           "preempting by recompute instead", group.request_id)
+            mode = "recompute"
+        self.running.remove(group)
+        if mode == "swap":
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(ids))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+        else:
+            for seq in seqs:
+                self.block_manager.free(seq.seq_id)
+                seq.reset_for_recompute()
+            self.waiting.append(group)
+        group.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(group)
+        logger.warning(
+            "request %s preempted by %s: not enough KV cache space (total preemptions %d); "
+            "increase --gpu-memory-utilization or lower --max-num-seqs", group.request_id,
+            mode, self.num_preemptions)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        if not self.waiting or not self.running:
+            return
+        head = min(self.waiting, key=self._key)
+        first_chunk = min(head.seqs[0].num_tokens, self.config.max_num_batched_tokens)
+        needed_blocks = -(-first_chunk // self.block_size) * len(head.unfinished_seqs())
+        needed_seqs = max(head.params.n, len(head.unfinished_seqs()))
+        self.running.sort(key=self._key)
+        while self.running and self._key(self.running[-1]) > self._key(head):
+            fits_blocks = self.block_manager.num_free_blocks >= needed_blocks
+            fits_seqs = (self.num_seqs(self.running) + needed_seqs
+                         <= self.config.max_num_seqs)
+            if fits_blocks and fits_seqs:
+                return
+            self._preempt(self.running[-1], out)
