@@ -44,7 +44,8 @@ class BucketSpec:
               bucket_table_width: bool) -> BucketSpec:
         batch = _powers_of_two(1, max_num_seqs)
         tokens = _powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens)
-        widths = (_powers_of_two(1, max_blocks_per_seq) if bucket_table_width
+        widths = (_powers_of_two(min(4, max_blocks_per_seq), max_blocks_per_seq)
+                  if bucket_table_width
                   else (max_blocks_per_seq,))
         return cls(batch, tokens, widths)
 

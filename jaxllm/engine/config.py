@@ -25,7 +25,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     block_size: int = 16
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # default: 256 (GPU) / 32 (CPU)
     max_num_batched_tokens: int | None = None  # default: 2048 (GPU) / 512 (CPU)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     gpu_memory_utilization: float = 0.9
@@ -49,7 +49,8 @@ class EngineConfig:
 
         need(self.block_size in BLOCK_SIZES,
              f"block_size={self.block_size} must be one of {BLOCK_SIZES}")
-        need(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        need(self.max_num_seqs is None or self.max_num_seqs >= 1,
+             f"max_num_seqs={self.max_num_seqs} must be >= 1")
         need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
         need(self.max_model_len is None or self.max_model_len >= 2,

@@ -1,0 +1,267 @@
+"""LLMEngine: requests in, a step at a time, RequestOutputs out.
+
+``add_request`` validates and queues; ``step`` = schedule -> run (device) -> append sampled
+tokens, detokenize, check stop conditions, free what finished. Not thread-safe: the async
+engine drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence as SequenceABC
+
+import jax
+import numpy as np
+
+from jaxllm.attention import resolve_backend
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.config import EngineConfig, SchedulerConfig
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.memory import plan_kv_blocks
+from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, StepResult
+from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.sampler import SampleRow as SamplerRow
+from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
+from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxllm.loading import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start; the server turns them into Prometheus metrics."""
+
+    num_steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    host_seconds: float = 0.0  # scheduling + packing + dispatch
+    device_seconds: float = 0.0  # waiting for the device
+    finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
+    kv_slots_reserved: int = 0  # sum over steps of block slots held by running sequences
+    kv_slots_used: int = 0  # ... of which hold a token
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None,
+                 *, progress: bool = True):
+        config = config or EngineConfig()
+        if config.enforce_eager:
+            # The analogue of disabling CUDA graphs; only effective before the backend starts.
+            flags = os.environ.get("XLA_FLAGS", "")
+            if "xla_gpu_enable_command_buffer" not in flags:
+                os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+        if config.compilation_cache_dir and not config.enforce_eager:
+            os.makedirs(config.compilation_cache_dir, exist_ok=True)
+            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if model is None:
+            model = load_model(config.model, dtype=config.dtype,
+                               load_format=config.load_format, seed=config.seed)
+        self.model = model
+        self.tokenizer = model.tokenizer
+        model_len = model.config.max_position_embeddings
+        max_model_len = config.max_model_len or model_len
+        if max_model_len > model_len:
+            raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than "
+                             f"the derived max_model_len ({model_len}) of the model")
+        on_cpu = jax.default_backend() == "cpu"
+        max_batched = config.max_num_batched_tokens or (512 if on_cpu else 2048)
+        max_num_seqs = config.max_num_seqs or min(32 if on_cpu else 256, max_batched)
+        if max_batched < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
+                             f"({max_num_seqs})")
+        config = config.replace(max_num_seqs=max_num_seqs)
+        backend = resolve_backend(config.attention_backend)
+        plan = plan_kv_blocks(
+            model, block_size=config.block_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            cpu_kv_cache_space=config.cpu_kv_cache_space, swap_space=config.swap_space,
+            num_gpu_blocks_override=config.num_gpu_blocks_override,
+            max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_batched, attention_backend=backend)
+        logger.info(plan.report)
+        if -(-max_model_len // config.block_size) > plan.num_gpu_blocks - 1:
+            fits = (plan.num_gpu_blocks - 1) * config.block_size
+            raise ValueError(
+                f"The model's max seq len ({max_model_len}) is larger than the maximum number "
+                f"of tokens that can be stored in KV cache ({fits}). Try increasing "
+                "gpu_memory_utilization or decreasing max_model_len.")
+        self.config = config.replace(max_model_len=max_model_len,
+                                     max_num_batched_tokens=max_batched)
+        self.kv_plan = plan
+        self.block_manager = BlockManager(
+            plan.num_gpu_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            prefix_caching_hash_algo=config.prefix_caching_hash_algo)
+        self._seq_ids = itertools.count()
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, max_batched, max_model_len,
+                            config.scheduling_policy, config.preemption_mode),
+            self.block_manager, self._seq_ids.__next__)
+        self.runner = ModelRunner(
+            model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
+            num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+            attention_backend=backend, bucket_table_width=backend == "reference")
+        self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self._rng = np.random.default_rng(config.seed)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._prompts: dict[str, str | None] = {}
+        self.stats = EngineStats()
+        self.warm_up_seconds = 0.0
+        if not config.enforce_eager:
+            self.warm_up_seconds = self.runner.warm_up(progress)
+            logger.info("warm-up compiled %d step buckets in %.1f s",
+                        len(self.runner.buckets.all_shapes()), self.warm_up_seconds)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    params: SamplingParams | None = None, *,
+                    prompt_token_ids: SequenceABC[int] | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> SequenceGroup:
+        """Queues one request; raises ValueError with a clear message on bad input."""
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("either prompt or prompt_token_ids must be given")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt)["input_ids"]
+        tokens = [int(t) for t in prompt_token_ids]
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of vocabulary (vocab size {vocab})")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError("priority other than 0 needs --scheduling-policy priority")
+        banned = self._banned_ids(params)
+        if params.min_tokens and len(banned) > BANNED_WIDTH:
+            raise ValueError(f"min_tokens with more than {BANNED_WIDTH} stop/EOS token ids is "
+                             "not supported")
+        seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
+        seq = Sequence(next(self._seq_ids), tokens, index=0, seed=seed)
+        group = SequenceGroup(request_id, [seq], params, arrival_time, priority)
+        self.scheduler.add(group)  # raises RequestRejectedError (a ValueError) if it can't fit
+        self._attach_detokenizer(seq, params)
+        self._groups[request_id] = group
+        self._prompts[request_id] = prompt
+        return group
+
+    def abort_request(self, request_ids: str | SequenceABC[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in ids:
+            group = self.scheduler.abort(request_id)
+            if group is not None:
+                outputs.append(self._finish_group(group))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the outputs of every request that progressed."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        touched: dict[str, SequenceGroup] = {}
+        if out.scheduled:
+            rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
+            result = self.runner.execute(out, rows)
+            self._account(out, result, time.perf_counter() - start)
+            for r, row in enumerate(out.sample_rows):
+                self._append_token(row.seq, row.group, result, r)
+                touched[row.group.request_id] = row.group
+        outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
+                   for g in touched.values() if not g.is_finished]
+        outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
+        return outputs
+
+    def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerRow:
+        params = group.params
+        banned = self._banned_ids(params) if seq.num_output_tokens < params.min_tokens else ()
+        return SamplerRow(params=params, seed=seq.seed, step=seq.num_output_tokens,
+                          banned_ids=banned, token_ids=seq.token_ids,
+                          num_prompt_tokens=seq.num_prompt_tokens)
+
+    def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(dict.fromkeys(eos + params.stop_token_ids))
+
+    def _append_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
+                      row: int) -> None:
+        token = int(result.sampled[row])
+        params = group.params
+        if seq.detokenizer is None and self.tokenizer is not None:
+            self._attach_detokenizer(seq, params)  # a child forked this step
+        seq.token_ids.append(token)
+        logprob = float(result.logprob[row])
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            top = {int(t): float(p) for t, p in zip(result.top_ids[row, :params.logprobs],
+                                                    result.top_logprobs[row, :params.logprobs],
+                                                    strict=True)}
+            seq.logprobs.append({token: logprob} | top)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+        status, stop_reason = self._check_stop(seq, params, token)
+        if status is not None:
+            seq.stop_reason = stop_reason
+            if seq.detokenizer is not None and status != SequenceStatus.FINISHED_STOPPED:
+                seq.detokenizer.flush()
+            self.scheduler.finish_seq(seq, status)
+
+    def _check_stop(self, seq: Sequence, params: SamplingParams,
+                    token: int) -> tuple[SequenceStatus | None, int | str | None]:
+        enough = seq.num_output_tokens >= params.min_tokens
+        if enough and not params.ignore_eos and token in self.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+        if enough and token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if seq.detokenizer is not None:
+            _, stop_str = seq.detokenizer.update([token])
+            if stop_str is not None and enough:
+                return SequenceStatus.FINISHED_STOPPED, stop_str
+        max_tokens = params.max_tokens or self.config.max_model_len
+        if seq.num_output_tokens >= max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _attach_detokenizer(self, seq: Sequence, params: SamplingParams) -> None:
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     params)
+
+    def _finish_group(self, group: SequenceGroup) -> RequestOutput:
+        group.metrics.finished_time = time.monotonic()
+        for seq in group.seqs:
+            reason = seq.status.finish_reason or "abort"
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self._groups.pop(group.request_id, None)
+        return RequestOutput.from_group(group, self._prompts.pop(group.request_id, None))
+
+    def _account(self, out: SchedulerOutput, result: StepResult, host_seconds: float) -> None:
+        stats = self.stats
+        stats.num_steps += 1
+        stats.host_seconds += host_seconds - result.device_seconds
+        stats.device_seconds += result.device_seconds
+        for item in out.scheduled:
+            end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
+            stats.prompt_tokens += max(0, end - item.start)
+        stats.generation_tokens += len(out.sample_rows)
+        block = self.block_manager.block_size
+        for group in self.scheduler.running:
+            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+                stats.kv_slots_reserved += -(-seq.num_computed_tokens // block) * block
+                stats.kv_slots_used += seq.num_computed_tokens

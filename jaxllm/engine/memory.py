@@ -1,0 +1,108 @@
+"""Sizing the KV pool: how many blocks fit next to the weights and the activations.
+
+GPU (as vLLM): ``device memory x gpu_memory_utilization - bytes already in use (weights)
+- the compiled step's activation peak at max_num_batched_tokens``, divided by the bytes of
+one block across all layers. CPU: a fixed host budget (``cpu_kv_cache_space`` GiB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.engine.sampler import build_sampling_metadata, sample
+from jaxllm.loading import LoadedModel
+from jaxllm.models.llama import make_forward
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+DEFAULT_JAX_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPlan:
+    num_gpu_blocks: int  # including the null block
+    num_cpu_blocks: int
+    block_bytes: int
+    report: str
+
+
+def kv_block_bytes(model: LoadedModel, block_size: int) -> int:
+    cfg = model.config
+    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
+            * jnp.dtype(model.dtype).itemsize)
+
+
+def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_width: int,
+                     attention_backend: str) -> int:
+    """Temporary device memory of the jitted step at its largest shape (compiled, not run)."""
+    cfg = model.config
+    forward = make_forward(cfg, model.dtype, attention_backend)
+
+    def step(params, kv_pool, batch, md):
+        logits, kv_pool = forward(params, kv_pool, batch)
+        return sample(logits, md, num_logprobs=0, use_penalties=False), kv_pool
+
+    pool = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, 16, cfg.num_key_value_heads,
+                                 cfg.head_dim), model.dtype)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    batch = BatchMetadata(i32(num_tokens), i32(num_tokens), i32(num_tokens),
+                          i32(num_seqs, table_width), i32(num_seqs), i32(num_seqs + 1),
+                          i32(num_seqs))
+    md = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                      build_sampling_metadata([], num_seqs, 0, 8))
+    compiled = jax.jit(step).lower(model.params, KVPool(pool, pool), batch, md).compile()
+    analysis = compiled.memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+
+
+def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
+                   cpu_kv_cache_space: float, swap_space: float,
+                   num_gpu_blocks_override: int | None, max_num_seqs: int, max_model_len: int,
+                   max_num_batched_tokens: int, attention_backend: str) -> KVPlan:
+    per_block = kv_block_bytes(model, block_size)
+    useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
+    num_cpu = min(int(swap_space * GiB) // per_block, useful)
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if num_gpu_blocks_override is not None:
+        num_gpu = num_gpu_blocks_override
+        report = f"KV blocks set by num_gpu_blocks_override: {num_gpu}"
+    elif stats and "bytes_limit" in stats:
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                        DEFAULT_JAX_MEM_FRACTION))
+        limit = stats["bytes_limit"]
+        total = limit / fraction
+        budget = min(limit, total * gpu_memory_utilization)
+        in_use = stats.get("bytes_in_use", 0)
+        activations = activation_bytes(model, max_num_batched_tokens,
+                                       min(max_num_seqs, max_num_batched_tokens),
+                                       -(-max_model_len // block_size), attention_backend)
+        kv_bytes = budget - in_use - activations
+        if kv_bytes < 2 * per_block:
+            raise ValueError(
+                "No available memory for the cache blocks. Try increasing "
+                f"gpu_memory_utilization (now {gpu_memory_utilization}) or lowering "
+                "max_num_batched_tokens.")
+        num_gpu = int(min(kv_bytes // per_block, useful))
+        report = (f"total device memory {total / GiB:.2f} GiB x gpu_memory_utilization "
+                  f"({gpu_memory_utilization:.2f}) = {budget / GiB:.2f} GiB; model weights "
+                  f"and buffers take {in_use / GiB:.2f} GiB; activation peak takes "
+                  f"{activations / GiB:.2f} GiB; the rest of the memory reserved for KV "
+                  f"cache is {kv_bytes / GiB:.2f} GiB")
+    else:
+        num_gpu = int(min(cpu_kv_cache_space * GiB // per_block, useful))
+        report = f"CPU KV cache space {cpu_kv_cache_space:.2f} GiB"
+    report += (f"; # KV blocks: {num_gpu} ({(num_gpu - 1) * block_size} tokens, "
+               f"{per_block / (1 << 20):.2f} MiB each), # swap blocks: {num_cpu}; maximum "
+               f"concurrency for {max_model_len} tokens per request: "
+               f"{(num_gpu - 1) * block_size / max_model_len:.2f}x")
+    return KVPlan(num_gpu, num_cpu, per_block, report)
+
+
+__all__ = ["KVPlan", "activation_bytes", "kv_block_bytes", "plan_kv_blocks"]

@@ -1,0 +1,250 @@
+"""Model runner: the only engine part that touches the device.
+
+It owns the params, the KV pool (donated to every jitted step) and the host swap pool. Each
+step it applies the scheduler's block moves, packs the scheduled tokens into one padded
+:class:`BatchMetadata` (numpy, then one transfer), and runs ``forward + sample`` jitted per
+shape bucket. Sampling results come back as numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.engine.buckets import BucketSpec, StepShape
+from jaxllm.engine.sampler import (
+    SamplerOutput,
+    SampleRow,
+    build_sampling_metadata,
+    needs_penalties,
+    penalty_width,
+    sample,
+)
+from jaxllm.engine.sampling_params import MAX_LOGPROBS
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.loading import LoadedModel
+from jaxllm.models.llama import make_forward
+
+logger = logging.getLogger(__name__)
+
+BANNED_WIDTH = 8  # EOS + stop_token_ids banned below min_tokens; more ids are rare
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of one step's samples, row order = ``SchedulerOutput.sample_rows``."""
+
+    sampled: np.ndarray  # i32[R]
+    logprob: np.ndarray  # f32[R]
+    top_ids: np.ndarray  # i32[R, num_logprobs]
+    top_logprobs: np.ndarray  # f32[R, num_logprobs]
+    shape: StepShape
+    host_seconds: float  # packing + dispatch on the host
+    device_seconds: float  # waiting for the device after dispatch
+
+
+def _pad_to_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
+                 num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, attention_backend: str = "auto",
+                 bucket_table_width: bool = True):
+        self.model = model
+        self.config = model.config
+        self.block_size = block_size
+        self.num_cpu_blocks = num_cpu_blocks
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.buckets = BucketSpec.build(max_num_seqs, max_num_batched_tokens,
+                                        self.max_blocks_per_seq, bucket_table_width)
+        cfg = self.config
+        self.kv_pool = KVPool.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
+        self._host_v: np.ndarray | None = None
+        # Forward and sampler are compiled separately: the sampler's shape depends only on
+        # the row count, so it compiles once per batch bucket instead of once per step shape.
+        self._forward = jax.jit(make_forward(cfg, model.dtype, attention_backend),
+                                donate_argnums=(1,))
+        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
+        self._forward_exe: dict[StepShape, object] = {}
+        self._sample_exe: dict[tuple, object] = {}
+        self.num_compilations = 0  # executables built (warm-up included)
+        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
+        self._write_blocks = jax.jit(_write_blocks, donate_argnums=(0,))
+        self._read_blocks = jax.jit(lambda pool, ids: (pool.k[:, ids], pool.v[:, ids]))
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ warm-up
+    def warm_up(self, progress: bool = True, workers: int = 4) -> float:
+        """Compiles every step bucket and sampler size ahead of time (compilation runs in
+        parallel threads: XLA releases the GIL); returns the seconds spent."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        jobs = [(self._forward_executable, shape) for shape in self.buckets.all_shapes()]
+        jobs += [(self._sampler_executable, (rows, 0, 0, False))
+                 for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})]
+        with ThreadPoolExecutor(workers) as pool, tqdm(
+                total=len(jobs), desc="Compiling step buckets", disable=not progress,
+                unit="graph") as bar:
+            for _ in pool.map(lambda job: job[0](job[1]), jobs):
+                bar.update(1)
+        for size in self.buckets.batch_sizes:
+            ids = np.zeros((size,), np.int32)
+            self.kv_pool = self._copy(self.kv_pool, ids, ids)
+        jax.block_until_ready(self.kv_pool.k)
+        return time.perf_counter() - start
+
+    def _forward_executable(self, shape: StepShape):
+        exe = self._forward_exe.get(shape)
+        if exe is None:
+            pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
+            exe = self._forward.lower(self.model.params, pool, self._empty_batch(shape)).compile()
+            self._forward_exe[shape] = exe
+            self.num_compilations += 1
+        return exe
+
+    def _sampler_executable(self, key: tuple[int, int, int, bool]):
+        exe = self._sample_exe.get(key)
+        if exe is None:
+            rows, width, num_logprobs, use_penalties = key
+            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+            md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
+            exe = self._sample.lower(logits, md, num_logprobs=num_logprobs,
+                                     use_penalties=use_penalties).compile()
+            self._sample_exe[key] = exe
+            self.num_compilations += 1
+            if self.num_steps:
+                logger.info("compiled sampler variant rows=%d penalty_width=%d logprobs=%d "
+                            "penalties=%s", *key)
+        return exe
+
+    def _empty_batch(self, shape: StepShape) -> BatchMetadata:
+        t, s, w = shape.num_tokens, shape.num_seqs, shape.table_width
+        zeros = np.zeros(t, np.int32)
+        return BatchMetadata(
+            input_ids=zeros, positions=zeros, slot_mapping=zeros,
+            block_tables=np.zeros((s, w), np.int32), seq_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32))
+
+    # --------------------------------------------------------------------- step
+    def execute(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> StepResult:
+        """Runs one scheduled step; ``rows`` are ``out.sample_rows`` as sampler rows."""
+        start = time.perf_counter()
+        self._apply_block_moves(out)
+        batch, shape = self.pack(out)
+        use_penalties = any(needs_penalties(r.params) for r in rows)
+        md = build_sampling_metadata(
+            rows, shape.num_seqs,
+            _pad_to_power_of_two(penalty_width(rows)) if use_penalties else 0, BANNED_WIDTH)
+        num_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in rows) else 0
+        width = md.token_ids.shape[1]
+        logits, self.kv_pool = self._forward_executable(shape)(self.model.params, self.kv_pool,
+                                                                batch)
+        result = self._sampler_executable((shape.num_seqs, width, num_logprobs,
+                                           use_penalties))(logits, md)
+        dispatched = time.perf_counter()
+        host: SamplerOutput = jax.device_get(result)
+        self.num_steps += 1
+        return StepResult(np.asarray(host.sampled), np.asarray(host.logprob),
+                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), shape,
+                          dispatched - start, time.perf_counter() - dispatched)
+
+    def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape]:
+        """Flattens the scheduled chunks into padded numpy arrays (one transfer per field)."""
+        scheduled = out.scheduled
+        num_tokens = out.num_batched_tokens
+        max_blocks = max((len(s.block_table) for s in scheduled), default=1)
+        shape = self.buckets.shape_for(num_tokens, len(scheduled), len(out.sample_rows),
+                                       max_blocks)
+        t, s, w, bs = shape.num_tokens, shape.num_seqs, shape.table_width, self.block_size
+        input_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.zeros(t, np.int32)
+        tables = np.zeros((s, w), np.int32)
+        seq_lens = np.zeros(s, np.int32)
+        starts = np.full(s + 1, num_tokens, np.int32)
+        last_token_index: dict[int, int] = {}
+        offset = 0
+        for i, item in enumerate(scheduled):
+            n, first = item.num_new_tokens, item.start
+            table = item.block_table
+            tables[i, :len(table)] = table
+            seq_lens[i] = first + n
+            starts[i] = offset
+            if n == 1:
+                input_ids[offset] = item.seq.token_ids[first]
+                positions[offset] = first
+                slots[offset] = table[first // bs] * bs + first % bs
+            else:
+                pos = np.arange(first, first + n, dtype=np.int32)
+                input_ids[offset:offset + n] = item.seq.token_ids[first:first + n]
+                positions[offset:offset + n] = pos
+                slots[offset:offset + n] = tables[i, pos // bs] * bs + pos % bs
+            offset += n
+            last_token_index[item.seq.seq_id] = offset - 1
+        logits_indices = np.zeros(s, np.int32)
+        for r, row in enumerate(out.sample_rows):
+            logits_indices[r] = last_token_index[row.source.seq_id]
+        batch = BatchMetadata(input_ids=input_ids, positions=positions, slot_mapping=slots,
+                              block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
+                              logits_indices=logits_indices)
+        return batch, shape
+
+    # ------------------------------------------------------------- block moves
+    def _apply_block_moves(self, out: SchedulerOutput) -> None:
+        """Swap-out reads first (the freed blocks may be rewritten this step), then
+        swap-in writes, then copy-on-write copies."""
+        if out.blocks_to_swap_out:
+            gpu, cpu = zip(*out.blocks_to_swap_out, strict=True)
+            ids = np.zeros(_pad_to_power_of_two(len(gpu)), np.int32)
+            ids[:len(gpu)] = gpu
+            k, v = jax.device_get(self._read_blocks(self.kv_pool, ids))
+            host_k, host_v = self._host_pools()
+            host_k[:, list(cpu)] = k[:, :len(gpu)]
+            host_v[:, list(cpu)] = v[:, :len(gpu)]
+        if out.blocks_to_swap_in:
+            cpu, gpu = zip(*out.blocks_to_swap_in, strict=True)
+            size = _pad_to_power_of_two(len(gpu))
+            host_k, host_v = self._host_pools()
+            ids = np.zeros(size, np.int32)
+            ids[:len(gpu)] = gpu
+            k = np.zeros((host_k.shape[0], size, *host_k.shape[2:]), host_k.dtype)
+            v = np.zeros_like(k)
+            k[:, :len(gpu)] = host_k[:, list(cpu)]
+            v[:, :len(gpu)] = host_v[:, list(cpu)]
+            self.kv_pool = self._write_blocks(self.kv_pool, ids, k, v)
+        if out.blocks_to_copy:
+            src, dst = zip(*out.blocks_to_copy, strict=True)
+            size = _pad_to_power_of_two(len(src))
+            src_ids, dst_ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
+            src_ids[:len(src)], dst_ids[:len(dst)] = src, dst
+            self.kv_pool = self._copy(self.kv_pool, src_ids, dst_ids)
+
+    def _host_pools(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._host_k is None:
+            shape = (self.kv_pool.k.shape[0], self.num_cpu_blocks, *self.kv_pool.k.shape[2:])
+            self._host_k = np.zeros(shape, self.kv_pool.k.dtype)
+            self._host_v = np.zeros(shape, self.kv_pool.v.dtype)
+        return self._host_k, self._host_v
+
+
+def _copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+    # Padding pairs are (0, 0): the null block copied onto itself.
+    return KVPool(k=pool.k.at[:, dst].set(pool.k[:, src]), v=pool.v.at[:, dst].set(pool.v[:, src]))
+
+
+def _write_blocks(pool: KVPool, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+    return KVPool(k=pool.k.at[:, ids].set(k), v=pool.v.at[:, ids].set(v))
