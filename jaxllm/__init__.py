@@ -5,12 +5,20 @@ Public API:
   default model (SmolLM2-135M-Instruct).
 - :func:`generate` - jit-compatible batched generation for research code.
 - :func:`make_forward` - the pure model forward ``(params, kv_pool, batch) -> (logits, kv_pool)``.
+- :class:`LLM` - offline batched generation and chat over the continuous-batching engine
+  (:class:`LLMEngine`, :class:`AsyncLLMEngine` for servers), with :class:`SamplingParams`.
 """
 
 from jaxllm.batch import BatchMetadata, KVPool
 from jaxllm.config import ModelConfig, RopeScaling
+from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
 from jaxllm.generate import GenerateOutput, generate
+from jaxllm.llm import LLM
 from jaxllm.loading import LoadedModel, default_model_path, load_model
 from jaxllm.models import make_forward
 from jaxllm.packing import SeqChunk, pack_batch
@@ -18,6 +26,8 @@ from jaxllm.packing import SeqChunk, pack_batch
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine",
+    "RequestOutput", "SamplingParams",
     "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LoadedModel", "ModelConfig",
     "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError", "__version__",
     "default_model_path", "generate", "load_model", "make_forward", "pack_batch",

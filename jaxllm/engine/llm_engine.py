@@ -218,21 +218,24 @@ class LLMEngine:
         status, stop_reason = self._check_stop(seq, params, token)
         if status is not None:
             seq.stop_reason = stop_reason
-            if seq.detokenizer is not None and status != SequenceStatus.FINISHED_STOPPED:
-                seq.detokenizer.flush()
+            if seq.detokenizer is not None and seq.detokenizer.stop_str is None:
+                seq.detokenizer.flush()  # release text held back for a possible stop string
             self.scheduler.finish_seq(seq, status)
 
     def _check_stop(self, seq: Sequence, params: SamplingParams,
                     token: int) -> tuple[SequenceStatus | None, int | str | None]:
         enough = seq.num_output_tokens >= params.min_tokens
-        if enough and not params.ignore_eos and token in self.eos_token_ids:
+        is_eos = enough and not params.ignore_eos and token in self.eos_token_ids
+        is_stop_id = enough and token in params.stop_token_ids
+        stop_str = None
+        if seq.detokenizer is not None:  # applies min_tokens to stop strings itself
+            _, stop_str = seq.detokenizer.update([token], stop_terminated=is_eos or is_stop_id)
+        if is_eos:
             return SequenceStatus.FINISHED_STOPPED, None
-        if enough and token in params.stop_token_ids:
+        if is_stop_id:
             return SequenceStatus.FINISHED_STOPPED, token
-        if seq.detokenizer is not None:
-            _, stop_str = seq.detokenizer.update([token])
-            if stop_str is not None and enough:
-                return SequenceStatus.FINISHED_STOPPED, stop_str
+        if stop_str is not None:
+            return SequenceStatus.FINISHED_STOPPED, stop_str
         max_tokens = params.max_tokens or self.config.max_model_len
         if seq.num_output_tokens >= max_tokens or seq.num_tokens >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH, None

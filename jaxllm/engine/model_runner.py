@@ -22,10 +22,11 @@ from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.sampler import (
     SamplerOutput,
     SampleRow,
+    SampleVariant,
     build_sampling_metadata,
-    needs_penalties,
     penalty_width,
     sample,
+    sample_variant,
 )
 from jaxllm.engine.sampling_params import MAX_LOGPROBS
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -35,6 +36,9 @@ from jaxllm.models.llama import make_forward
 logger = logging.getLogger(__name__)
 
 BANNED_WIDTH = 8  # EOS + stop_token_ids banned below min_tokens; more ids are rare
+# Compiled at warm-up for every row bucket: all greedy, plain random, random with top-k/top-p.
+WARM_SAMPLER_VARIANTS = (SampleVariant(all_greedy=True, use_top_k_top_p=False),
+                         SampleVariant(use_top_k_top_p=False), SampleVariant())
 
 
 @dataclasses.dataclass
@@ -75,7 +79,6 @@ class ModelRunner:
         # the row count, so it compiles once per batch bucket instead of once per step shape.
         self._forward = jax.jit(make_forward(cfg, model.dtype, attention_backend),
                                 donate_argnums=(1,))
-        self._sample = jax.jit(sample, static_argnames=("num_logprobs", "use_penalties"))
         self._forward_exe: dict[StepShape, object] = {}
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
@@ -94,8 +97,9 @@ class ModelRunner:
 
         start = time.perf_counter()
         jobs = [(self._forward_executable, shape) for shape in self.buckets.all_shapes()]
-        jobs += [(self._sampler_executable, (rows, 0, 0, False))
-                 for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})]
+        jobs += [(self._sampler_executable, (rows, 0, variant))
+                 for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})
+                 for variant in WARM_SAMPLER_VARIANTS]
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(jobs), desc="Compiling step buckets", disable=not progress,
                 unit="graph") as bar:
@@ -116,19 +120,18 @@ class ModelRunner:
             self.num_compilations += 1
         return exe
 
-    def _sampler_executable(self, key: tuple[int, int, int, bool]):
+    def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
         exe = self._sample_exe.get(key)
         if exe is None:
-            rows, width, num_logprobs, use_penalties = key
+            rows, width, variant = key
             logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
             md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
-            exe = self._sample.lower(logits, md, num_logprobs=num_logprobs,
-                                     use_penalties=use_penalties).compile()
+            exe = sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe
             self.num_compilations += 1
             if self.num_steps:
-                logger.info("compiled sampler variant rows=%d penalty_width=%d logprobs=%d "
-                            "penalties=%s", *key)
+                logger.info("compiled sampler variant rows=%d penalty_width=%d %s", rows,
+                            width, variant)
         return exe
 
     def _empty_batch(self, shape: StepShape) -> BatchMetadata:
@@ -145,16 +148,17 @@ class ModelRunner:
         start = time.perf_counter()
         self._apply_block_moves(out)
         batch, shape = self.pack(out)
-        use_penalties = any(needs_penalties(r.params) for r in rows)
+        variant = sample_variant(rows)
+        # Logprob counts round up to the maximum: one variant instead of twenty.
+        variant = variant._replace(num_logprobs=MAX_LOGPROBS if variant.num_logprobs else 0)
         md = build_sampling_metadata(
             rows, shape.num_seqs,
-            _pad_to_power_of_two(penalty_width(rows)) if use_penalties else 0, BANNED_WIDTH)
-        num_logprobs = MAX_LOGPROBS if any(r.params.logprobs is not None for r in rows) else 0
-        width = md.token_ids.shape[1]
+            _pad_to_power_of_two(penalty_width(rows)) if variant.use_penalties else 0,
+            BANNED_WIDTH)
         logits, self.kv_pool = self._forward_executable(shape)(self.model.params, self.kv_pool,
                                                                 batch)
-        result = self._sampler_executable((shape.num_seqs, width, num_logprobs,
-                                           use_penalties))(logits, md)
+        exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
+        result = exe(logits, md)
         dispatched = time.perf_counter()
         host: SamplerOutput = jax.device_get(result)
         self.num_steps += 1

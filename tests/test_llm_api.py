@@ -1,0 +1,159 @@
+"""The offline LLM API and the async engine on the real SmolLM2 weights."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxllm
+from jaxllm import LLM, AsyncLLMEngine, EngineDeadError, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM(smollm2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+               enforce_eager=True, compilation_cache_dir=None, progress=False)
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def test_generate_matches_the_jitted_generate_function(llm, smollm2):
+    prompts = ["The capital of France is", "def add(a, b):", "从前有一座山，"]
+    outs = llm.generate(prompts, greedy(12, ignore_eos=True), use_tqdm=False)
+    tok = smollm2.tokenizer
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = tok(prompt)["input_ids"]
+        ref = jaxllm.generate(smollm2.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
+                              jax.random.key(0), config=smollm2.config, max_new_tokens=12)
+        assert out.outputs[0].token_ids == np.asarray(ref.tokens[0]).tolist()
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+        assert out.prompt == prompt and out.prompt_token_ids == ids
+
+
+def test_chat_answers_coherently(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   greedy(32), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop" and out.stop_reason is None
+
+
+def test_stop_strings_tokens_and_lengths(llm):
+    counting = "1, 2, 3, 4,"
+    out = llm.generate(counting, greedy(30, stop=[" 8"]), use_tqdm=False)[0].outputs[0]
+    assert out.text == " 5, 6, 7," and out.stop_reason == " 8" and out.finish_reason == "stop"
+    kept = llm.generate(counting, greedy(30, stop=[" 8"], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == " 5, 6, 7, 8"
+    comma = llm.get_tokenizer()(",")["input_ids"][0]
+    by_id = llm.generate(counting, greedy(30, stop_token_ids=[comma]),
+                         use_tqdm=False)[0].outputs[0]
+    assert by_id.token_ids[-1] == comma and by_id.stop_reason == comma
+    capped = llm.generate(counting, greedy(3), use_tqdm=False)[0].outputs[0]
+    assert len(capped.token_ids) == 3 and capped.finish_reason == "length"
+
+
+def test_min_tokens_holds_back_eos(llm):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    short = llm.chat(chat, greedy(40), use_tqdm=False)[0].outputs[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 20
+    longer = llm.chat(chat, greedy(40, min_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert len(longer.token_ids) >= 20
+
+
+def test_logprobs_hold_the_chosen_token_and_top_k(llm):
+    out = llm.generate("The capital of France is", greedy(4, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and len(entry) in (3, 4) and all(v <= 0 for v in entry.values())
+        assert entry[token] == max(entry.values())  # greedy picks the most likely
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in
+                                                       zip(out.token_ids, out.logprobs,
+                                                           strict=True)), abs=1e-4)
+
+
+def test_parallel_samples_differ_and_seeds_repeat(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=10, ignore_eos=True)
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    again = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    texts = [o.text for o in first.outputs]
+    assert len(set(texts)) > 1 and texts == [o.text for o in again.outputs]
+
+
+def test_bad_input_leaves_nothing_queued(llm):
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate(["fine prompt", [1, 10**9]], greedy(2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_gpu_blocks - 1
+
+
+def test_async_engine_streams_chinese_cleanly_and_aborts_on_close(llm):
+    engine = AsyncLLMEngine(llm.engine)
+    engine.start()
+
+    async def scenario():
+        deltas, last_text = [], ""
+        async for out in engine.generate("a", "请用中文介绍一下北京。", greedy(24)):
+            text = out.outputs[0].text
+            assert text.startswith(last_text)
+            deltas.append(text[len(last_text):])
+            last_text = text
+        assert all("\ufffd" not in d for d in deltas) and len(deltas) > 1
+        stream = engine.generate("b", "Tell me a long story.", greedy(200, ignore_eos=True))
+        async for _ in stream:
+            break
+        await stream.aclose()  # the client went away
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if not await engine.run_in_engine(lambda e: e.has_unfinished_requests()):
+                break
+        return last_text
+
+    try:
+        text = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert "北京" in text
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_gpu_blocks - 1
+
+
+def test_a_failing_step_fails_every_request_and_marks_the_engine_dead(smollm2, monkeypatch):
+    llm = LLM(smollm2, max_num_seqs=2, max_model_len=128, enforce_eager=True,
+              compilation_cache_dir=None, progress=False)
+    engine = AsyncLLMEngine(llm.engine)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(llm.engine.runner, "execute", boom)
+    engine.start()
+
+    async def scenario():
+        async def consume(i):
+            async for _ in engine.generate(str(i), "hello", greedy(5)):
+                pass
+
+        results = await asyncio.wait_for(
+            asyncio.gather(*(consume(i) for i in range(3)), return_exceptions=True), 30)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("late", "hello", greedy(5)):
+                pass
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert not engine.is_running
