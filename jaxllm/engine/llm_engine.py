@@ -40,8 +40,17 @@ class EngineStats:
     num_steps: int = 0
     prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
-    host_seconds: float = 0.0  # scheduling + packing + dispatch
-    device_seconds: float = 0.0  # waiting for the device
+    # Host time per phase; output_seconds runs while the device computes (overlapped).
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0  # block moves, packing, sampling metadata, dispatch
+    output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
+    update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
+    device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
+
+    @property
+    def host_seconds(self) -> float:
+        """Host time on the critical path (not overlapped with the device)."""
+        return self.schedule_seconds + self.prepare_seconds + self.update_seconds
     finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
     kv_slots_reserved: int = 0  # sum over steps of block slots held by running sequences
     kv_slots_used: int = 0  # ... of which hold a token
@@ -113,6 +122,7 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
+        self._pending_text: list[tuple[Sequence, SequenceGroup, int, bool]] = []
         self.stats = EngineStats()
         self.warm_up_seconds = 0.0
         if not config.enforce_eager:
@@ -165,27 +175,44 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._pending_text)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of every request that progressed."""
-        start = time.perf_counter()
+        """Runs one engine step; returns the outputs of every request that progressed.
+
+        The host work that does not decide the next schedule (detokenization, stop strings,
+        building outputs) of the previous step runs while the device computes this one, so
+        outputs trail the device by one step and a stop string costs one wasted token.
+        """
+        stats = self.stats
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
-        touched: dict[str, SequenceGroup] = {}
+        t1 = time.perf_counter()
+        pending = None
         if out.scheduled:
             rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
-            result = self.runner.execute(out, rows)
-            self._account(out, result, time.perf_counter() - start)
+            pending = self.runner.dispatch(out, rows)
+        t2 = time.perf_counter()
+        outputs = self._emit_outputs()  # overlaps the device step just launched
+        t3 = time.perf_counter()
+        if pending is not None:
+            result = pending.wait()
+            t4 = time.perf_counter()
             for r, row in enumerate(out.sample_rows):
                 self._append_token(row.seq, row.group, result, r)
-                touched[row.group.request_id] = row.group
-        outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
-                   for g in touched.values() if not g.is_finished]
-        outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
+            stats.num_steps += 1
+            stats.device_wait_seconds += t4 - t3
+            stats.update_seconds += time.perf_counter() - t4
+            self._account(out)
+        stats.schedule_seconds += t1 - t0
+        stats.prepare_seconds += t2 - t1
+        stats.output_seconds += t3 - t2
+        if pending is None and self._pending_text:
+            outputs += self._emit_outputs()  # nothing in flight: finish the last tokens now
         return outputs
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerRow:
@@ -201,10 +228,12 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
                       row: int) -> None:
+        """Adds a sampled token and applies the checks the next schedule depends on (EOS,
+        stop token ids, lengths); text and stop strings wait for ``_emit_outputs``."""
+        if seq.status.is_finished:
+            return  # stopped by a stop string found after this step was launched
         token = int(result.sampled[row])
         params = group.params
-        if seq.detokenizer is None and self.tokenizer is not None:
-            self._attach_detokenizer(seq, params)  # a child forked this step
         seq.token_ids.append(token)
         logprob = float(result.logprob[row])
         seq.cumulative_logprob += logprob
@@ -215,31 +244,41 @@ class LLMEngine:
             seq.logprobs.append({token: logprob} | top)
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
-        status, stop_reason = self._check_stop(seq, params, token)
+        enough = seq.num_output_tokens >= params.min_tokens
+        status, stop_reason = None, None
+        if enough and not params.ignore_eos and token in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif enough and token in params.stop_token_ids:
+            status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif (seq.num_output_tokens >= (params.max_tokens or self.config.max_model_len)
+              or seq.num_tokens >= self.config.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             seq.stop_reason = stop_reason
-            if seq.detokenizer is not None and seq.detokenizer.stop_str is None:
-                seq.detokenizer.flush()  # release text held back for a possible stop string
             self.scheduler.finish_seq(seq, status)
+        self._pending_text.append((seq, group, token, status == SequenceStatus.FINISHED_STOPPED))
 
-    def _check_stop(self, seq: Sequence, params: SamplingParams,
-                    token: int) -> tuple[SequenceStatus | None, int | str | None]:
-        enough = seq.num_output_tokens >= params.min_tokens
-        is_eos = enough and not params.ignore_eos and token in self.eos_token_ids
-        is_stop_id = enough and token in params.stop_token_ids
-        stop_str = None
-        if seq.detokenizer is not None:  # applies min_tokens to stop strings itself
-            _, stop_str = seq.detokenizer.update([token], stop_terminated=is_eos or is_stop_id)
-        if is_eos:
-            return SequenceStatus.FINISHED_STOPPED, None
-        if is_stop_id:
-            return SequenceStatus.FINISHED_STOPPED, token
-        if stop_str is not None:
-            return SequenceStatus.FINISHED_STOPPED, stop_str
-        max_tokens = params.max_tokens or self.config.max_model_len
-        if seq.num_output_tokens >= max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH, None
-        return None, None
+    def _emit_outputs(self) -> list[RequestOutput]:
+        """Detokenizes the last step's tokens, applies stop strings, builds outputs."""
+        pending, self._pending_text = self._pending_text, []
+        touched: dict[str, SequenceGroup] = {}
+        for seq, group, token, stopped_by_token in pending:
+            touched[group.request_id] = group
+            if seq.detokenizer is None:
+                if self.tokenizer is None:
+                    continue
+                self._attach_detokenizer(seq, group.params)  # a child forked this step
+            detok = seq.detokenizer
+            _, stop_str = detok.update([token], stop_terminated=stopped_by_token)
+            if stop_str is not None and not seq.status.is_finished:
+                seq.stop_reason = stop_str
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            if seq.status.is_finished and detok.stop_str is None:
+                detok.flush()  # release text held back for a possible stop string
+        outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
+                   for g in touched.values() if not g.is_finished]
+        outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
+        return outputs
 
     def _attach_detokenizer(self, seq: Sequence, params: SamplingParams) -> None:
         if self.tokenizer is not None:
@@ -254,11 +293,8 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         return RequestOutput.from_group(group, self._prompts.pop(group.request_id, None))
 
-    def _account(self, out: SchedulerOutput, result: StepResult, host_seconds: float) -> None:
+    def _account(self, out: SchedulerOutput) -> None:
         stats = self.stats
-        stats.num_steps += 1
-        stats.host_seconds += host_seconds - result.device_seconds
-        stats.device_seconds += result.device_seconds
         for item in out.scheduled:
             end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
             stats.prompt_tokens += max(0, end - item.start)

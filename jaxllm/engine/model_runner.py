@@ -54,6 +54,22 @@ class StepResult:
     device_seconds: float  # waiting for the device after dispatch
 
 
+class PendingStep:
+    """A launched step; ``wait()`` blocks until its samples are on the host."""
+
+    def __init__(self, result: SamplerOutput, shape: StepShape, host_seconds: float):
+        self._result = result
+        self.shape = shape
+        self.host_seconds = host_seconds
+
+    def wait(self) -> StepResult:
+        start = time.perf_counter()
+        host: SamplerOutput = jax.device_get(self._result)
+        return StepResult(np.asarray(host.sampled), np.asarray(host.logprob),
+                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape,
+                          self.host_seconds, time.perf_counter() - start)
+
+
 def _pad_to_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -144,7 +160,12 @@ class ModelRunner:
 
     # --------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> StepResult:
-        """Runs one scheduled step; ``rows`` are ``out.sample_rows`` as sampler rows."""
+        """Runs one scheduled step and waits for it."""
+        return self.dispatch(out, rows).wait()
+
+    def dispatch(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> PendingStep:
+        """Packs and launches one step without waiting for the device (JAX dispatch is
+        asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows."""
         start = time.perf_counter()
         self._apply_block_moves(out)
         batch, shape = self.pack(out)
@@ -159,12 +180,8 @@ class ModelRunner:
                                                                 batch)
         exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
         result = exe(logits, md)
-        dispatched = time.perf_counter()
-        host: SamplerOutput = jax.device_get(result)
         self.num_steps += 1
-        return StepResult(np.asarray(host.sampled), np.asarray(host.logprob),
-                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), shape,
-                          dispatched - start, time.perf_counter() - dispatched)
+        return PendingStep(result, shape, time.perf_counter() - start)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape]:
         """Flattens the scheduled chunks into padded numpy arrays (one transfer per field)."""

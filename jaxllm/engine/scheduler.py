@@ -88,6 +88,7 @@ class Scheduler:
         self._next_seq_id = seq_ids or itertools.count(1_000_000_000).__next__
         self._order = itertools.count()  # tie-breaker: admission order
         self._keys: dict[str, tuple] = {}
+        self._finished: list[SequenceGroup] = []  # finished, not yet popped
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
@@ -126,16 +127,20 @@ class Scheduler:
         seq.status = status
 
     def pop_finished(self) -> list[SequenceGroup]:
-        """Removes and returns running groups whose every sequence has finished."""
-        done = [g for g in self.running if g.is_finished]
-        if done:
-            self.running = [g for g in self.running if not g.is_finished]
-            for group in done:
-                self._keys.pop(group.request_id, None)
+        """Removes and returns groups whose every sequence has finished."""
+        self._collect_finished()
+        done, self._finished = self._finished, []
+        for group in done:
+            self._keys.pop(group.request_id, None)
         return done
 
+    def _collect_finished(self) -> None:
+        if any(g.is_finished for g in self.running):
+            self._finished += [g for g in self.running if g.is_finished]
+            self.running = [g for g in self.running if not g.is_finished]
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self._finished)
 
     def num_seqs(self, queue: list[SequenceGroup]) -> int:
         return sum(len(g.unfinished_seqs()) for g in queue)
@@ -161,6 +166,7 @@ class Scheduler:
         Scheduled tokens count as computed at once (``num_computed_tokens`` advances here).
         """
         out = SchedulerOutput()
+        self._collect_finished()  # finished groups are never preemption victims
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if self.config.policy == "priority":
             self._preempt_for_priority(out)
