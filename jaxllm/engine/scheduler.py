@@ -89,6 +89,7 @@ class Scheduler:
         self._order = itertools.count()  # tie-breaker: admission order
         self._keys: dict[str, tuple] = {}
         self._finished: list[SequenceGroup] = []  # finished, not yet popped
+        self._maybe_finished = False  # set by finish_seq: a running group may be done
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
@@ -125,6 +126,7 @@ class Scheduler:
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         self.block_manager.free(seq.seq_id)
         seq.status = status
+        self._maybe_finished = True
 
     def pop_finished(self) -> list[SequenceGroup]:
         """Removes and returns groups whose every sequence has finished."""
@@ -135,6 +137,9 @@ class Scheduler:
         return done
 
     def _collect_finished(self) -> None:
+        if not self._maybe_finished:
+            return
+        self._maybe_finished = False
         if any(g.is_finished for g in self.running):
             self._finished += [g for g in self.running if g.is_finished]
             self.running = [g for g in self.running if not g.is_finished]
