@@ -88,9 +88,10 @@ def assert_no_leak(engine):
     assert engine.get_num_unfinished_requests() == 0
 
 
-def test_continuous_batching_equals_one_at_a_time(model):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_continuous_batching_equals_one_at_a_time(model, async_scheduling):
     prompts, max_tokens = workload()
-    engine = make_engine(model)
+    engine = make_engine(model, async_scheduling=async_scheduling)
     outputs = run_all(engine, prompts, max_tokens)
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
         assert out.outputs[0].token_ids == reference(tuple(prompt), m)
@@ -101,12 +102,14 @@ def test_continuous_batching_equals_one_at_a_time(model):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_outputs_exact(model, mode):
+@pytest.mark.parametrize("mode, async_scheduling", [("recompute", True), ("swap", True),
+                                                    ("recompute", False), ("swap", False)])
+def test_preemption_keeps_outputs_exact(model, mode, async_scheduling):
     prompts, max_tokens = workload(16, seed=1)
     # 24 usable blocks of 8 tokens: far less than the workload needs at once.
     engine = make_engine(model, num_gpu_blocks_override=25, max_model_len=96,
-                         preemption_mode=mode, swap_space=0.01)
+                         preemption_mode=mode, swap_space=0.01,
+                         async_scheduling=async_scheduling)
     outputs = run_all(engine, prompts, max_tokens)
     assert engine.scheduler.num_preemptions > 0
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):

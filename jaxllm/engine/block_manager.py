@@ -143,8 +143,13 @@ class BlockManager:
         num_computed_tokens: int,
         num_new_tokens: int,
         cached_blocks: Sequence[int] = (),
+        num_cacheable_tokens: int | None = None,
     ) -> list[tuple[int, int]] | None:
         """Make the seq's block table cover num_computed_tokens + num_new_tokens tokens.
+
+        ``num_cacheable_tokens`` caps which blocks get registered in the prefix cache: tokens
+        past it are placeholders (sampled on the device, not yet known on the host); their
+        blocks are registered by a later call once the tokens are real.
 
         ``token_ids`` is the seq's full token list (prompt + outputs so far). For a seq without a
         table, ``cached_blocks`` from ``lookup_prefix`` in the same pass are attached first
@@ -210,7 +215,9 @@ class BlockManager:
             seq = self._seqs[seq_id] = _SeqBlocks(table, hashes)
         seq.block_hashes = hashes  # a new list only when cached_blocks were attached
         if self.enable_prefix_caching:
-            num_full = num_tokens // bs
+            cacheable = num_tokens if num_cacheable_tokens is None else min(
+                num_tokens, num_cacheable_tokens)
+            num_full = cacheable // bs
             start = len(hashes)
             self._extend_hash_chain(hashes, token_ids, num_full)
             for i in range(start, num_full):

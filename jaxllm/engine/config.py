@@ -40,6 +40,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = os.path.join(
         os.path.expanduser("~"), ".cache", "jaxllm", "xla")
     attention_backend: str = "auto"
+    # Schedule and launch step k+1 before step k's samples reach the host (hides host time).
+    async_scheduling: bool = True
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -22,15 +22,18 @@ from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig, SchedulerConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.memory import plan_kv_blocks
-from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, StepResult
+from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.engine.sampler import SampleRow as SamplerRow
+from jaxllm.engine.sampler import needs_penalties
 from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
-from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
+# A launched step: what was scheduled, its device result, each sample row's token position.
+_InFlight = tuple[SchedulerOutput, PendingStep, list[int]]
 
 
 @dataclasses.dataclass
@@ -123,6 +126,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
         self._pending_text: list[tuple[Sequence, SequenceGroup, int, bool]] = []
+        self._inflight: _InFlight | None = None
+        self._num_penalty_requests = 0
         self.stats = EngineStats()
         self.warm_up_seconds = 0.0
         if not config.enforce_eager:
@@ -158,11 +163,15 @@ class LLMEngine:
                              "not supported")
         seed = params.seed if params.seed is not None else int(self._rng.integers(1 << 31))
         seq = Sequence(next(self._seq_ids), tokens, index=0, seed=seed)
+        seq.output_limit = min(params.max_tokens or self.config.max_model_len,
+                               self.config.max_model_len - len(tokens))
         group = SequenceGroup(request_id, [seq], params, arrival_time, priority)
         self.scheduler.add(group)  # raises RequestRejectedError (a ValueError) if it can't fit
         self._attach_detokenizer(seq, params)
         self._groups[request_id] = group
         self._prompts[request_id] = prompt
+        if needs_penalties(params):
+            self._num_penalty_requests += 1
         return group
 
     def abort_request(self, request_ids: str | SequenceABC[str]) -> list[RequestOutput]:
@@ -175,7 +184,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_text)
+        return (self.scheduler.has_unfinished() or bool(self._pending_text)
+                or self._inflight is not None)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
@@ -184,35 +194,61 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the outputs of every request that progressed.
 
-        The host work that does not decide the next schedule (detokenization, stop strings,
-        building outputs) of the previous step runs while the device computes this one, so
-        outputs trail the device by one step and a stop string costs one wasted token.
+        With async scheduling (the default) the device is kept one step ahead: step k+1 is
+        scheduled and launched before step k's samples reach the host (its inputs take them
+        from the device), and step k's tokens are then checked, detokenized and turned into
+        outputs while step k+1 computes. Outputs therefore trail the device by one step and a
+        request that stops costs one wasted token. Steps with repetition/presence/frequency
+        penalties run synchronously (the sampler must see the previous token).
         """
         stats = self.stats
+        outputs: list[RequestOutput] = []
+        previous, self._inflight = self._inflight, None
+        if previous is not None and (not self.config.async_scheduling
+                                     or self._num_penalty_requests):
+            outputs += self._complete(previous)
+            previous = None
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        pending = None
         if out.scheduled:
             rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
-            pending = self.runner.dispatch(out, rows)
+            pending = self.runner.dispatch(out, rows, previous[1] if previous else None)
+            positions = []
+            for r, row in enumerate(out.sample_rows):  # their ids are known after the step
+                positions.append(len(row.seq.token_ids))
+                row.seq.pending[positions[-1]] = r
+                row.seq.token_ids.append(PLACEHOLDER_TOKEN)
+            self._inflight = (out, pending, positions)
         t2 = time.perf_counter()
-        outputs = self._emit_outputs()  # overlaps the device step just launched
-        t3 = time.perf_counter()
-        if pending is not None:
-            result = pending.wait()
-            t4 = time.perf_counter()
-            for r, row in enumerate(out.sample_rows):
-                self._append_token(row.seq, row.group, result, r)
-            stats.num_steps += 1
-            stats.device_wait_seconds += t4 - t3
-            stats.update_seconds += time.perf_counter() - t4
-            self._account(out)
         stats.schedule_seconds += t1 - t0
         stats.prepare_seconds += t2 - t1
-        stats.output_seconds += t3 - t2
-        if pending is None and self._pending_text:
-            outputs += self._emit_outputs()  # nothing in flight: finish the last tokens now
+        if previous is not None:
+            outputs += self._complete(previous)
+        elif self._inflight is None:
+            outputs += self._emit_outputs()  # nothing in flight: finish the last tokens
+        if self._inflight is not None and not self.config.async_scheduling:
+            outputs += self._complete(self._inflight)
+            self._inflight = None
+        return outputs
+
+
+    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
+        """Waits for a launched step, records its tokens, and emits outputs."""
+        out, pending, positions = inflight
+        t0 = time.perf_counter()
+        result = pending.wait()
+        t1 = time.perf_counter()
+        for r, row in enumerate(out.sample_rows):
+            self._fill_token(row.seq, row.group, result, r, positions[r])
+        self._account(out)
+        t2 = time.perf_counter()
+        outputs = self._emit_outputs()
+        stats = self.stats
+        stats.num_steps += 1
+        stats.device_wait_seconds += t1 - t0
+        stats.update_seconds += t2 - t1
+        stats.output_seconds += time.perf_counter() - t2
         return outputs
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerRow:
@@ -226,15 +262,19 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
 
-    def _append_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
-                      row: int) -> None:
-        """Adds a sampled token and applies the checks the next schedule depends on (EOS,
-        stop token ids, lengths); text and stop strings wait for ``_emit_outputs``."""
-        if seq.status.is_finished:
-            return  # stopped by a stop string found after this step was launched
+    def _fill_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
+                    row: int, pos: int) -> None:
+        """Puts a sampled token in its placeholder and applies the checks the next schedule
+        depends on (EOS, stop token ids, lengths); text and stop strings wait for
+        ``_emit_outputs``."""
+        seq.pending.pop(pos, None)
+        if seq.status.is_finished:  # stopped (stop string, abort) after this step launched
+            del seq.token_ids[pos:]
+            seq.pending.clear()
+            return
         token = int(result.sampled[row])
         params = group.params
-        seq.token_ids.append(token)
+        seq.token_ids[pos] = token
         logprob = float(result.logprob[row])
         seq.cumulative_logprob += logprob
         if params.logprobs is not None:
@@ -244,16 +284,18 @@ class LLMEngine:
             seq.logprobs.append({token: logprob} | top)
         if group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
-        enough = seq.num_output_tokens >= params.min_tokens
+        num_output = pos + 1 - seq.num_prompt_tokens
+        enough = num_output >= params.min_tokens
         status, stop_reason = None, None
         if enough and not params.ignore_eos and token in self.eos_token_ids:
             status = SequenceStatus.FINISHED_STOPPED
         elif enough and token in params.stop_token_ids:
             status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif (seq.num_output_tokens >= (params.max_tokens or self.config.max_model_len)
-              or seq.num_tokens >= self.config.max_model_len):
+        elif num_output >= seq.output_limit:
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
+            del seq.token_ids[pos + 1:]  # a placeholder of the step in flight, if any
+            seq.pending.clear()
             seq.stop_reason = stop_reason
             self.scheduler.finish_seq(seq, status)
         self._pending_text.append((seq, group, token, status == SequenceStatus.FINISHED_STOPPED))
@@ -287,6 +329,8 @@ class LLMEngine:
 
     def _finish_group(self, group: SequenceGroup) -> RequestOutput:
         group.metrics.finished_time = time.monotonic()
+        if needs_penalties(group.params) and group.request_id in self._groups:
+            self._num_penalty_requests -= 1
         for seq in group.seqs:
             reason = seq.status.finish_reason or "abort"
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1

@@ -57,8 +57,10 @@ class StepResult:
 class PendingStep:
     """A launched step; ``wait()`` blocks until its samples are on the host."""
 
-    def __init__(self, result: SamplerOutput, shape: StepShape, host_seconds: float):
+    def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape,
+                 host_seconds: float):
         self._result = result
+        self.tokens = tokens  # i32[max rows] sampled ids on the device, for the next step
         self.shape = shape
         self.host_seconds = host_seconds
 
@@ -93,8 +95,25 @@ class ModelRunner:
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        self._forward = jax.jit(make_forward(cfg, model.dtype, attention_backend),
-                                donate_argnums=(1,))
+        forward = make_forward(cfg, model.dtype, attention_backend)
+        self.max_rows = self.buckets.batch_sizes[-1]
+
+        def forward_after(params, kv_pool, batch, prev_tokens, prev_rows):
+            # Async scheduling: tokens the previous step samples are only on the device; the
+            # host marks where they go (prev_rows >= 0) and they are filled in here.
+            ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
+                            batch.input_ids)
+            return forward(params, kv_pool, batch.replace(input_ids=ids))
+
+        def sample_padded(logits, md, **variant):
+            out = sample(logits, md, **variant)
+            tokens = jnp.zeros((self.max_rows,), jnp.int32).at[:out.sampled.shape[0]].set(
+                out.sampled)
+            return out, tokens
+
+        self._forward = jax.jit(forward_after, donate_argnums=(1,))
+        self._sample = jax.jit(sample_padded, static_argnames=SampleVariant._fields)
+        self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._forward_exe: dict[StepShape, object] = {}
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
@@ -131,7 +150,9 @@ class ModelRunner:
         exe = self._forward_exe.get(shape)
         if exe is None:
             pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
-            exe = self._forward.lower(self.model.params, pool, self._empty_batch(shape)).compile()
+            batch = self._empty_batch(shape)
+            exe = self._forward.lower(self.model.params, pool, batch, self._no_prev_tokens,
+                                      batch.input_ids).compile()
             self._forward_exe[shape] = exe
             self.num_compilations += 1
         return exe
@@ -142,7 +163,7 @@ class ModelRunner:
             rows, width, variant = key
             logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
             md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
-            exe = sample.lower(logits, md, **variant._asdict()).compile()
+            exe = self._sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe
             self.num_compilations += 1
             if self.num_steps:
@@ -163,12 +184,16 @@ class ModelRunner:
         """Runs one scheduled step and waits for it."""
         return self.dispatch(out, rows).wait()
 
-    def dispatch(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> PendingStep:
+    def dispatch(self, out: SchedulerOutput, rows: Sequence[SampleRow],
+                 prev: PendingStep | None = None) -> PendingStep:
         """Packs and launches one step without waiting for the device (JAX dispatch is
-        asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows."""
+        asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens
+        (``Sequence.pending``) are taken from ``prev``'s samples on the device."""
         start = time.perf_counter()
         self._apply_block_moves(out)
-        batch, shape = self.pack(out)
+        batch, shape, prev_rows = self.pack(out)
+        if prev_rows is not None and prev is None:
+            raise ValueError("placeholder tokens need the step that samples them")
         variant = sample_variant(rows)
         # Logprob counts round up to the maximum: one variant instead of twenty.
         variant = variant._replace(num_logprobs=MAX_LOGPROBS if variant.num_logprobs else 0)
@@ -176,15 +201,20 @@ class ModelRunner:
             rows, shape.num_seqs,
             _pad_to_power_of_two(penalty_width(rows)) if variant.use_penalties else 0,
             BANNED_WIDTH)
-        logits, self.kv_pool = self._forward_executable(shape)(self.model.params, self.kv_pool,
-                                                                batch)
+        prev_tokens = prev.tokens if prev_rows is not None else self._no_prev_tokens
+        if prev_rows is None:
+            prev_rows = np.full(shape.num_tokens, -1, np.int32)
+        logits, self.kv_pool = self._forward_executable(shape)(
+            self.model.params, self.kv_pool, batch, prev_tokens, prev_rows)
         exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
-        result = exe(logits, md)
+        result, tokens = exe(logits, md)
         self.num_steps += 1
-        return PendingStep(result, shape, time.perf_counter() - start)
+        return PendingStep(result, tokens, shape, time.perf_counter() - start)
 
-    def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape]:
-        """Flattens the scheduled chunks into padded numpy arrays (one transfer per field)."""
+    def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
+        """Flattens the scheduled chunks into padded numpy arrays (one transfer per field).
+        Also returns, for placeholder tokens, their row in the previous step (else -1), or
+        None when there are none."""
         scheduled = out.scheduled
         num_tokens = out.num_batched_tokens
         max_blocks = max((len(s.block_table) for s in scheduled), default=1)
@@ -198,6 +228,7 @@ class ModelRunner:
         seq_lens = np.zeros(s, np.int32)
         starts = np.full(s + 1, num_tokens, np.int32)
         last_token_index: dict[int, int] = {}
+        prev_rows = None
         offset = 0
         for i, item in enumerate(scheduled):
             n, first = item.num_new_tokens, item.start
@@ -214,6 +245,12 @@ class ModelRunner:
                 input_ids[offset:offset + n] = item.seq.token_ids[first:first + n]
                 positions[offset:offset + n] = pos
                 slots[offset:offset + n] = tables[i, pos // bs] * bs + pos % bs
+            if item.seq.pending:
+                for pos, row in item.seq.pending.items():
+                    if first <= pos < first + n:
+                        if prev_rows is None:
+                            prev_rows = np.full(t, -1, np.int32)
+                        prev_rows[offset + pos - first] = row
             offset += n
             last_token_index[item.seq.seq_id] = offset - 1
         logits_indices = np.zeros(s, np.int32)
@@ -222,7 +259,7 @@ class ModelRunner:
         batch = BatchMetadata(input_ids=input_ids, positions=positions, slot_mapping=slots,
                               block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
                               logits_indices=logits_indices)
-        return batch, shape
+        return batch, shape, prev_rows
 
     # ------------------------------------------------------------- block moves
     def _apply_block_moves(self, out: SchedulerOutput) -> None:

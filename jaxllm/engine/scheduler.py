@@ -140,9 +140,13 @@ class Scheduler:
         if not self._maybe_finished:
             return
         self._maybe_finished = False
-        if any(g.is_finished for g in self.running):
-            self._finished += [g for g in self.running if g.is_finished]
-            self.running = [g for g in self.running if not g.is_finished]
+        # Waiting or swapped groups finish too when a token sampled before their
+        # preemption turns out to be their last.
+        for name in ("running", "waiting", "swapped"):
+            queue = getattr(self, name)
+            if any(g.is_finished for g in queue):
+                self._finished += [g for g in queue if g.is_finished]
+                setattr(self, name, [g for g in queue if not g.is_finished])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._finished)
@@ -195,6 +199,8 @@ class Scheduler:
         planned: list[tuple[Sequence, int]] = []
         tokens, seqs = budget.tokens, budget.seqs
         for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+            if seq.pending and seq.reached_output_limit:
+                continue  # its last token is being sampled: it finishes when that arrives
             num_new = min(seq.num_uncomputed_tokens, tokens)
             if num_new == 0 or seqs == 0:
                 break
@@ -211,7 +217,8 @@ class Scheduler:
                 return False
         for seq, num_new in planned:
             copies = self.block_manager.allocate_slots(
-                seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new)
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, num_new,
+                num_cacheable_tokens=seq.num_known_tokens)
             if copies is None:  # cached-block accounting made the estimate optimistic
                 self._unschedule(group, budget, out)
                 self._preempt(group, out)
@@ -297,7 +304,8 @@ class Scheduler:
         cached_blocks, num_cached = self.block_manager.lookup_prefix(seq.token_ids)
         num_new = min(seq.num_tokens - num_cached, budget.tokens)
         copies = self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_cached,
-                                                   num_new, cached_blocks)
+                                                   num_new, cached_blocks,
+                                                   num_cacheable_tokens=seq.num_known_tokens)
         if copies is None:
             return False
         seq.status = SequenceStatus.RUNNING

@@ -14,6 +14,8 @@ from typing import Any
 
 from jaxllm.engine.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN = -1  # a token being sampled on the device right now
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -48,6 +50,11 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []  # per output token, when requested
         self.cumulative_logprob = 0.0
         self.detokenizer: Any = None  # set by the engine when the model has a tokenizer
+        # Output tokens allowed (max_tokens, and what max_model_len leaves after the prompt).
+        self.output_limit = 1 << 62
+        # Async scheduling: positions of tokens still being sampled on the device -> their
+        # row in the step that samples them. token_ids holds PLACEHOLDER_TOKEN there.
+        self.pending: dict[int, int] = {}
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,12 +73,22 @@ class Sequence:
         return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (placeholders excluded)."""
+        return len(self.token_ids) - len(self.pending)
+
+    @property
+    def reached_output_limit(self) -> bool:
+        return self.num_output_tokens >= self.output_limit
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
     def fork(self, seq_id: int, index: int, seed: int) -> Sequence:
         child = Sequence(seq_id, self.prompt_token_ids, index, seed)
         child.token_ids = list(self.token_ids)
+        child.output_limit = self.output_limit
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         return child
