@@ -19,11 +19,14 @@ import os
 import subprocess
 import time
 
-import jax
-import numpy as np
+# Let JAX's allocator reach what --gpu-memory-utilization asks for (its default stops at 75%).
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
-import jaxllm
-from jaxllm import EngineConfig, LLMEngine, SamplingParams
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxllm  # noqa: E402
+from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 PHASES = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
           "device_wait_seconds")
