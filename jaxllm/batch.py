@@ -60,6 +60,9 @@ class BatchMetadata:
     seq_lens: jax.Array  # i32[S]   context length after this step (0 for padded sequences)
     query_start_loc: jax.Array  # i32[S + 1] start of each sequence's tokens in T (non-decreasing)
     logits_indices: jax.Array  # i32[N]   flat token indices whose logits are returned
+    # Static: every sequence has one query token (picks the decode kernel). None: decided by
+    # the shapes (T == S).
+    decode_only: bool | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def token_seq_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:

@@ -80,7 +80,8 @@ def generate(
         seq_lens=lens,
         query_start_loc=jnp.arange(batch_size + 1, dtype=jnp.int32) * prompt_width,
         logits_indices=jnp.arange(batch_size, dtype=jnp.int32) * prompt_width
-        + jnp.maximum(lens - 1, 0))
+        + jnp.maximum(lens - 1, 0),
+        decode_only=False)
     logits, kv_pool = forward(params, kv_pool, prefill)
 
     def pick(logits, key, step, state):
@@ -107,7 +108,8 @@ def generate(
             block_tables=tables,
             seq_lens=position + 1,
             query_start_loc=jnp.arange(batch_size + 1, dtype=jnp.int32),
-            logits_indices=jnp.arange(batch_size, dtype=jnp.int32))
+            logits_indices=jnp.arange(batch_size, dtype=jnp.int32),
+            decode_only=True)
         logits, kv_pool = forward(params, kv_pool, decode)
         key, step_key = jax.random.split(key)
         return step + 1, kv_pool, key, pick(logits, step_key, step, state)

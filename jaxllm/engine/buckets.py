@@ -27,10 +27,7 @@ class StepShape:
     num_tokens: int  # T
     num_seqs: int  # S (= number of sample rows R)
     table_width: int  # W
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == self.num_seqs
+    is_decode: bool  # one token per sequence (a mixed bucket may also have T == S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +51,17 @@ class BucketSpec:
         width = _ceil(self.table_widths, max_blocks)
         if num_tokens == num_seqs == num_rows:
             size = _ceil(self.batch_sizes, num_tokens)
-            return StepShape(size, size, width)
+            return StepShape(size, size, width, True)
         tokens = _ceil(self.token_sizes, max(num_tokens, num_rows))
         seqs = min(tokens, self.batch_sizes[-1])
         if seqs < max(num_seqs, num_rows):
             raise ValueError(f"{num_seqs} sequences / {num_rows} rows exceed the largest "
                              f"batch bucket {self.batch_sizes[-1]}")
-        return StepShape(tokens, seqs, width)
+        return StepShape(tokens, seqs, width, False)
 
     def all_shapes(self) -> list[StepShape]:
-        shapes = [StepShape(b, b, w) for b in self.batch_sizes for w in self.table_widths]
-        shapes += [StepShape(t, min(t, self.batch_sizes[-1]), w)
+        shapes = [StepShape(b, b, w, True) for b in self.batch_sizes for w in self.table_widths]
+        shapes += [StepShape(t, min(t, self.batch_sizes[-1]), w, False)
                    for t in self.token_sizes for w in self.table_widths]
         return list(dict.fromkeys(shapes))
 

@@ -177,7 +177,8 @@ class ModelRunner:
         return BatchMetadata(
             input_ids=zeros, positions=zeros, slot_mapping=zeros,
             block_tables=np.zeros((s, w), np.int32), seq_lens=np.zeros(s, np.int32),
-            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32))
+            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
+            decode_only=shape.is_decode)
 
     # --------------------------------------------------------------------- step
     def execute(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> StepResult:
@@ -258,7 +259,7 @@ class ModelRunner:
             logits_indices[r] = last_token_index[row.source.seq_id]
         batch = BatchMetadata(input_ids=input_ids, positions=positions, slot_mapping=slots,
                               block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
-                              logits_indices=logits_indices)
+                              logits_indices=logits_indices, decode_only=shape.is_decode)
         return batch, shape, prev_rows
 
     # ------------------------------------------------------------- block moves

@@ -39,7 +39,7 @@ class RequestOutput:
         for seq in sorted(group.seqs, key=lambda s: s.index):
             text = seq.detokenizer.output_text if seq.detokenizer is not None else ""
             outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                index=seq.index, text=text, token_ids=seq.known_output_token_ids,
                 cumulative_logprob=seq.cumulative_logprob if want_logprobs else None,
                 logprobs=list(seq.logprobs) if want_logprobs else None,
                 finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))

@@ -69,6 +69,11 @@ class Sequence:
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
+    def known_output_token_ids(self) -> list[int]:
+        """Output tokens without the placeholders still being sampled on the device."""
+        return self.token_ids[len(self.prompt_token_ids):len(self.token_ids) - len(self.pending)]
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
 

@@ -1,0 +1,435 @@
+"""Paged-attention kernel benchmark (one GPU run): ceilings, decode bandwidth, prefill FLOP/s.
+
+Usage (repo root, on the GPU machine)::
+
+    PYTHONPATH=. python benchmarks/kernels.py --out kernels.json [--quick] [--no-sweep]
+
+1. Ceilings measured in the same run: copy bandwidth (a 2 GiB bf16 ``x + 1``: bytes read +
+   written) and a bf16 8192^3 matmul.
+2. Decode (one query token per sequence) for batch 1/8/64/256 x context 512/2048/8192 x heads
+   32/8 and 32/32, head dim 128, block 16, bf16: our kernel, the XLA reference and JAX's own
+   deprecated Triton kernel (``jax.experimental.pallas.ops.gpu.paged_attention``, on a
+   head-major copy of the pool). Bandwidth = bytes of K and V read / time.
+3. Prefill: one sequence, chunks of 512 / 2048 tokens over 0 / 2k / 8k cached tokens, 32/8
+   heads: tokens/s and TFLOP/s (4 * Hq * D per valid query-key pair).
+
+Timing: one jitted program holds N independent calls (different queries; the pool has enough
+layers that a call's K/V are cold in the 60 MB L2), is run after a warm-up, and the median of
+several runs, minus the dispatch time of an empty program, is divided by N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.paged_attention import (
+    DecodeConfig,
+    PrefillConfig,
+    paged_attention_decode,
+    paged_attention_prefill,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention.shapes import HEAD_SHAPES
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+BLOCK = 16
+DTYPE = jnp.bfloat16
+L2_BYTES = 60e6
+
+
+@dataclasses.dataclass
+class Plan:
+    batches: tuple = (1, 8, 64, 256)
+    contexts: tuple = (512, 2048, 8192)
+    heads: tuple = ("llama3_8b", "llama2_7b")
+    sweep_points: tuple = ((64, 2048, "llama3_8b"), (64, 8192, "llama3_8b"),
+                           (64, 2048, "llama2_7b"))
+    prefill_points: tuple = ((2048, 0), (2048, 8192), (2048, 2048), (512, 0), (512, 2048),
+                             (512, 8192))
+    copy_elems: int = 1 << 30  # 2 GiB of bf16
+    matmul: int = 8192
+    max_calls: int = 64
+    interpret: bool = False  # --smoke: tiny shapes through the Pallas interpreter (CPU)
+
+
+PLAN = Plan()
+SMOKE = Plan(batches=(1, 2), contexts=(32, 64), heads=("small_gqa",),
+             sweep_points=((2, 64, "small_gqa"),), prefill_points=((32, 0), (32, 48), (16, 0)),
+             copy_elems=1 << 16, matmul=256, max_calls=2, interpret=True)
+
+
+def pseudo_random(shape, seed: float, dtype=DTYPE):
+    """Hash of the element index in [-1, 1): fresh values made in one fused pass (no f32 copy)."""
+    def make():
+        x = sum(jax.lax.broadcasted_iota(jnp.float32, shape, d) * (12.9898 + 7.233 * d)
+                for d in range(len(shape)))
+        h = jnp.sin(x + seed) * 43758.5453
+        return (2.0 * (h - jnp.floor(h)) - 1.0).astype(dtype)
+    return jax.jit(make)()
+
+
+def run_timed(fn, args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+_DISPATCH = None
+
+
+def dispatch_time() -> float:
+    global _DISPATCH
+    if _DISPATCH is None:
+        x = jnp.ones((8,), jnp.float32)
+        _DISPATCH = run_timed(jax.jit(lambda a: a + 1), (x,), reps=20)
+    return _DISPATCH
+
+
+def time_per_call(call, num_calls: int, args) -> float:
+    """Seconds per call of ``call(i, *args)`` (N independent calls in one program)."""
+    program = jax.jit(lambda *a: [call(i, *a) for i in range(num_calls)])
+    return max(run_timed(program, args) - dispatch_time(), 1e-9) / num_calls
+
+
+def ceilings() -> dict:
+    n = PLAN.copy_elems
+    out = {}
+    for dtype in (jnp.bfloat16, jnp.float32):  # one elementwise pass: bytes read + written
+        x = pseudo_random((n,), 0.5, dtype)
+        t = max(run_timed(jax.jit(lambda a: a + 1), (x,), reps=10) - dispatch_time(), 1e-9)
+        out[f"copy_{jnp.dtype(dtype).name}_TBps"] = 2 * x.nbytes / t / 1e12
+        if dtype == jnp.bfloat16:  # read-only stream: a sum
+            t = max(run_timed(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), (x,), reps=10)
+                    - dispatch_time(), 1e-9)
+            out["read_TBps"] = x.nbytes / t / 1e12
+        del x
+    out["copy_TBps"] = max(out["copy_bfloat16_TBps"], out["copy_float32_TBps"])
+    m = PLAN.matmul
+    a = pseudo_random((m, m), 1.5) * 0.02
+    b = pseudo_random((m, m), 2.5) * 0.02
+    mm = jax.jit(lambda a, b: jax.lax.fori_loop(0, 10, lambda _, c: (c @ b) * 8.0, a))
+    tm = run_timed(mm, (a, b), reps=3) / 10
+    out["matmul_TFLOPs"] = 2 * m**3 / tm / 1e12
+    return out
+
+
+@dataclasses.dataclass
+class DecodeProblem:
+    batch: int
+    context: int
+    heads: str
+
+    @property
+    def kv_bytes(self) -> int:
+        h = HEAD_SHAPES[self.heads]
+        return 2 * self.batch * self.context * h.num_kv_heads * h.head_dim * 2
+
+    def build(self, num_layers: int):
+        h = HEAD_SHAPES[self.heads]
+        pages = self.context // BLOCK
+        num_blocks = self.batch * pages + 1
+        shape = (num_layers, num_blocks, BLOCK, h.num_kv_heads, h.head_dim)
+        rng = np.random.default_rng(0)
+        tables = (1 + rng.permutation(self.batch * pages)).reshape(self.batch, pages)
+        k = pseudo_random(shape, 0.25)
+        v = pseudo_random(shape, 0.75)
+        return dict(
+            k=k, v=v, tables=jnp.asarray(tables, jnp.int32),
+            seq_lens=jnp.full((self.batch,), self.context, jnp.int32),
+            starts=jnp.arange(self.batch + 1, dtype=jnp.int32),
+            positions=jnp.full((self.batch,), self.context - 1, jnp.int32))
+
+
+def calls_and_layers(kv_bytes: int, est_bw: float = 3e12,
+                     max_pool_bytes: float = 40e9) -> tuple[int, int]:
+    """N calls, each on its own layer of the pool: no call finds its K/V in L2, and XLA cannot
+    merge the reference's gathers and dots across calls (it did when they shared a layer)."""
+    num_calls = int(min(PLAN.max_calls, max(4, math.ceil(4e-3 / (kv_bytes / est_bw)))))
+    num_calls = int(max(1, min(num_calls, max_pool_bytes // kv_bytes)))
+    return num_calls, num_calls
+
+
+def bench_decode(p: DecodeProblem, impls: dict, budget_bytes: float = 60e9,
+                 with_jax: bool = True) -> dict:
+    h = HEAD_SHAPES[p.heads]
+    num_calls, num_layers = calls_and_layers(p.kv_bytes)
+    d = p.build(num_layers)
+    q_all = pseudo_random((num_calls, p.batch, h.num_q_heads, h.head_dim), 3.5)
+    scale = h.head_dim ** -0.5
+    result = {"batch": p.batch, "context": p.context, "heads": p.heads, "calls": num_calls,
+              "layers": num_layers, "kv_bytes": p.kv_bytes}
+    args = (q_all, d["k"], d["v"], d["tables"], d["seq_lens"], d["starts"], d["positions"])
+    for name, fn in impls.items():
+        if name == "reference" and p.kv_bytes * 2 * 2 > budget_bytes:  # f32 gathers of K, V
+            result[name] = "skipped: f32 gathers would not fit"
+            continue
+        try:
+            call = lambda i, q, k, v, t, sl, st, pos, fn=fn: fn(
+                q[i], k, v, i % num_layers, t, sl, st, pos, scale=scale)
+            sec = time_per_call(call, num_calls, args)
+            result[name] = {"us": sec * 1e6, "TBps": p.kv_bytes / sec / 1e12}
+        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+            result[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    if with_jax:
+        try:
+            result["jax_triton"] = bench_jax_kernel(p, d, q_all, num_calls, num_layers)
+        except Exception as e:  # noqa: BLE001
+            result["jax_triton"] = f"error: {type(e).__name__}: {str(e)[:200]}"
+    return result
+
+
+def bench_jax_kernel(p, d, q_all, num_calls, num_layers):
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
+
+    num_blocks = d["k"].shape[1]
+    to_head_major = jax.jit(lambda x: jnp.transpose(x, (3, 0, 1, 2, 4)).reshape(
+        x.shape[3], x.shape[0] * num_blocks, BLOCK, x.shape[4]))
+    k_hm, v_hm = to_head_major(d["k"]), to_head_major(d["v"])
+    call = lambda i, q, k, v, t, sl: jax_pa.paged_attention(
+        q[i], k, v, t + (i % num_layers) * num_blocks, sl, interpret=PLAN.interpret,
+        **({"k_splits": 2} if PLAN.interpret else {}))
+    sec = time_per_call(call, num_calls, (q_all, k_hm, v_hm, d["tables"], d["seq_lens"]))
+    del k_hm, v_hm
+    return {"us": sec * 1e6, "TBps": p.kv_bytes / sec / 1e12}
+
+
+def decode_impls(configs: dict[str, DecodeConfig]) -> dict:
+    impls = {name: (lambda *a, c=c, **kw: paged_attention_decode(
+        *a, config=c, interpret=PLAN.interpret, **kw)) for name, c in configs.items()}
+    impls["reference"] = paged_attention_reference
+    return impls
+
+
+def _dc(block_kv, warps, stages, splits=None):
+    return DecodeConfig(block_kv=block_kv, num_warps=warps, num_stages=stages,
+                        num_splits=splits)
+
+
+SWEEP = {  # name: kv<block_kv>_w<warps>_s<stages>[_k<splits>]
+    "kv128_w4_s2": _dc(128, 4, 2),
+    "kv128_w4_s3": _dc(128, 4, 3),
+    "kv128_w8_s2": _dc(128, 8, 2),
+    "kv64_w4_s3": _dc(64, 4, 3),
+    "kv64_w4_s4": _dc(64, 4, 4),
+    "kv64_w2_s3": _dc(64, 2, 3),
+    "kv256_w8_s2": _dc(256, 8, 2),
+    "kv256_w4_s2": _dc(256, 4, 2),
+    "kv128_w4_s2_k1": _dc(128, 4, 2, 1),
+    "kv128_w4_s3_k1": _dc(128, 4, 3, 1),
+    "kv128_w4_s2_k4": _dc(128, 4, 2, 4),
+    "kv64_w4_s3_k1": _dc(64, 4, 3, 1),
+}
+
+
+def _decode_call(i, q, k, v, t, sl, st, pos, *, num_layers, scale, config):
+    return paged_attention_decode(q[i], k, v, i % num_layers, t, sl, st, pos, scale=scale,
+                                  config=config, interpret=PLAN.interpret)
+
+
+def sweep_decode(points, deadline) -> dict:
+    out = {}
+    for p in points:
+        num_calls, num_layers = calls_and_layers(p.kv_bytes)
+        d = p.build(num_layers)
+        h = HEAD_SHAPES[p.heads]
+        q_all = pseudo_random((num_calls, p.batch, h.num_q_heads, h.head_dim), 3.5)
+        args = (q_all, d["k"], d["v"], d["tables"], d["seq_lens"], d["starts"], d["positions"])
+        key = f"b{p.batch}_ctx{p.context}_{p.heads}"
+        out[key] = {}
+        for name, cfg in SWEEP.items():
+            if time.time() > deadline:
+                break
+            call = functools.partial(_decode_call, num_layers=num_layers,
+                                     scale=h.head_dim ** -0.5, config=cfg)
+            try:
+                sec = time_per_call(call, num_calls, args)
+                out[key][name] = {"us": sec * 1e6, "TBps": p.kv_bytes / sec / 1e12}
+            except Exception as e:  # noqa: BLE001
+                out[key][name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+            print(f"  sweep {key} {name}: {out[key][name]}", flush=True)
+        del d, q_all
+    return out
+
+
+PREFILL_SWEEP = {
+    "q128_kv64_w8_s3": PrefillConfig(block_kv=64, num_stages=3),
+    "q128_kv64_w4_s3": PrefillConfig(num_warps=4),
+    "q64_kv64_w4_s3": PrefillConfig(block_q_rows=64, num_warps=4),
+    "q128_kv128_w8_s2": PrefillConfig(block_kv=128, num_stages=2),
+    "q128_kv32_w4_s4": PrefillConfig(block_kv=32, num_warps=4, num_stages=4),
+    "q256_kv64_w8_s3": PrefillConfig(block_q_rows=256),
+}
+
+
+def bench_prefill(chunk: int, cached: int, impls: dict) -> dict:
+    h = HEAD_SHAPES[PLAN.heads[0]]
+    total = chunk + cached
+    pages = -(-total // BLOCK)
+    shape = (1, pages + 1, BLOCK, h.num_kv_heads, h.head_dim)
+    k, v = pseudo_random(shape, 0.1), pseudo_random(shape, 0.2)
+    tables = jnp.asarray(1 + np.random.default_rng(0).permutation(pages)[None], jnp.int32)
+    seq_lens = jnp.array([total], jnp.int32)
+    starts = jnp.array([0, chunk], jnp.int32)
+    positions = jnp.arange(cached, total, dtype=jnp.int32)
+    pairs = sum(cached + i + 1 for i in range(chunk))
+    flops = 4 * h.num_q_heads * h.head_dim * pairs
+    result = {"chunk": chunk, "cached": cached, "GFLOP": flops / 1e9}
+    for name, fn in impls.items():
+        # One reference call a program: XLA merges the dots of calls that share K and V.
+        num_calls = 1 if name == "reference" else min(PLAN.max_calls, 8)
+        q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
+        call = lambda i, q, k, v, fn=fn: fn(q[i], k, v, 0, tables, seq_lens, starts, positions,
+                                            scale=h.head_dim ** -0.5)
+        try:
+            sec = time_per_call(call, num_calls, (q_all, k, v))
+            result[name] = {"us": sec * 1e6, "tokens_per_s": chunk / sec,
+                            "TFLOPs": flops / sec / 1e12}
+        except Exception as e:  # noqa: BLE001
+            result[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+        print(f"  prefill chunk {chunk} cached {cached} {name}: {result[name]}", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="kernels.json")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes in the Pallas interpreter: checks this script on CPU")
+    parser.add_argument("--no-sweep", action="store_true", help="no decode config sweep")
+    parser.add_argument("--no-jax", action="store_true", help="skip JAX's own Triton kernel")
+    parser.add_argument("--no-prefill-sweep", action="store_true")
+    parser.add_argument("--no-prefill-reference", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="past this, skip the remaining sweeps and comparisons")
+    args = parser.parse_args()
+    global PLAN
+    if args.smoke:
+        PLAN = SMOKE
+    start = time.time()
+    results: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
+
+    def save():
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+    results["ceilings"] = ceilings()
+    print("ceilings", results["ceilings"], flush=True)
+    save()
+    if not args.no_sweep:
+        points = [DecodeProblem(*p) for p in PLAN.sweep_points]
+        results["decode_sweep"] = sweep_decode(points, start + 0.3 * args.budget_s)
+        save()
+    tuned = pick_tuned(results.get("decode_sweep", {}))
+    results["decode_tuned"] = tuned
+    configs = {"pallas": DecodeConfig()}
+    if tuned and SWEEP[tuned] != DecodeConfig():
+        configs["pallas_tuned"] = SWEEP[tuned]
+    impls = decode_impls(configs)
+    results["decode"] = []
+    for heads in PLAN.heads:
+        for batch in PLAN.batches:
+            for context in PLAN.contexts:
+                if time.time() > start + args.budget_s:
+                    print(f"decode {heads} {batch} {context}: skipped (time budget)")
+                    continue
+                row = bench_decode(DecodeProblem(batch, context, heads), impls,
+                                   with_jax=not args.no_jax)
+                results["decode"].append(row)
+                print("decode", json.dumps(row), flush=True)
+                save()
+
+    results["prefill"] = []
+    default = {"pallas": PrefillConfig()}
+    best = "" if args.no_prefill_sweep else None
+    first_chunk = PLAN.prefill_points[0][0]
+    for chunk, cached in PLAN.prefill_points:
+        if best is None and (chunk != first_chunk or time.time() > start + args.budget_s):
+            rows = [r for r in results["prefill"] if r["chunk"] == first_chunk]
+            best = pick_best_prefill(rows)
+        configs = ({f"pallas_{n}": c for n, c in PREFILL_SWEEP.items()} if best is None
+                   else default | ({f"pallas_{best}": PREFILL_SWEEP[best]} if best else {}))
+        impls_here = {n: (lambda *a, c=c, **kw: paged_attention_prefill(
+            *a, config=c, interpret=PLAN.interpret, **kw)) for n, c in configs.items()}
+        if not args.no_prefill_reference and time.time() < start + args.budget_s + 60:
+            impls_here["reference"] = paged_attention_reference
+        results["prefill"].append(bench_prefill(chunk, cached, impls_here))
+        save()
+    results["prefill_tuned"] = best
+    results["wall_s"] = time.time() - start
+    save()
+    print_table(results)
+    return 0
+
+
+def pick_best_prefill(rows: list[dict]) -> str | None:
+    scores: dict[str, list[float]] = {}
+    for r in rows:
+        for name, v in r.items():
+            if name.startswith("pallas_") and isinstance(v, dict):
+                scores.setdefault(name[len("pallas_"):], []).append(v["TFLOPs"])
+    if not scores:
+        return None
+    return max(scores, key=lambda n: statistics.mean(scores[n]))
+
+
+def pick_tuned(sweep: dict) -> str | None:
+    """The config with the best mean bandwidth over the swept GQA points."""
+    scores: dict[str, list[float]] = {}
+    for key, row in sweep.items():
+        if "llama3_8b" not in key:
+            continue
+        for name, r in row.items():
+            if isinstance(r, dict):
+                scores.setdefault(name, []).append(r["TBps"])
+    if not scores:
+        return None
+    most = max(map(len, scores.values()))
+    full = {n: statistics.mean(s) for n, s in scores.items() if len(s) == most}
+    return max(full, key=full.get)
+
+
+def fmt(r, key="TBps"):
+    return f"{r[key]:.2f}" if isinstance(r, dict) else "-"
+
+
+def print_table(results: dict) -> None:
+    copy = results["ceilings"]["copy_TBps"]
+    print(f"\n{results['device']}  copy {copy:.2f} TB/s  "
+          f"matmul {results['ceilings']['matmul_TFLOPs']:.0f} TFLOP/s")
+    names = [n for n in ("pallas", "pallas_tuned", "reference", "jax_triton")
+             if any(n in r for r in results["decode"])]
+    print("decode TB/s (% copy): heads batch ctx | " + " | ".join(names))
+    for r in results["decode"]:
+        cells = [f"{fmt(r.get(n))} ({100 * r[n]['TBps'] / copy:.0f}%)" if isinstance(
+            r.get(n), dict) else "-" for n in names]
+        print(f"{r['heads']:>10} {r['batch']:>4} {r['context']:>5} | " + " | ".join(cells))
+    print("prefill: chunk cached | best pallas config TFLOP/s, tokens/s | default | reference")
+    for r in results["prefill"]:
+        ours = {k: v for k, v in r.items() if isinstance(v, dict) and k.startswith("pallas")}
+        best = max(ours, key=lambda k: ours[k]["TFLOPs"]) if ours else None
+        ref = r.get("reference")
+        print(f"{r['chunk']:>5} {r['cached']:>5} | "
+              + (f"{best} {ours[best]['TFLOPs']:.0f}, {ours[best]['tokens_per_s']:.3g}"
+                 if best else "-")
+              + f" | {fmt(r.get('pallas', r.get('pallas_q128_kv128_w8_s2')), 'TFLOPs')}"
+              + f" | {fmt(ref, 'TFLOPs')}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Paged decode attention in Pallas (Triton backend): one program per (query token, kv head,
+split), flash-decoding style.
+
+Each program holds the ``G`` query heads that share kv head ``h`` (padded to a power of two
+>= 16, the smallest tile ``dot`` takes), walks its share of the token's keys in compute blocks
+of ``block_kv`` keys, and writes a normalized float32 partial plus its log-sum-exp.
+A split-K combine in XLA merges the partials (skipped when there is one split)::
+
+    grid = (Hkv, T, splits)
+    program (h, t, s):  q[t, h*G:(h+1)*G]  x  keys [kv_lo[t], kv_hi[t]) of seq(t), s-th share
+                        -> o f32[T, Hkv, splits, G', D],  lse f32[T, Hkv, splits, G']
+
+The kernel is correct for any batch (a prompt chunk just re-reads its context once per query
+token); it is fast when each sequence has one query token, i.e. decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_attention import common
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tunables of the decode kernel (static)."""
+
+    # NOTE: block_kv=64, num_stages=3 measured best on the H200 (benchmarks/RESULTS.md, sweep
+    # at batch 64: 3.45 / 3.76 TB/s at contexts 2048 / 8192 against 3.14 / 3.58 for 128 / 2).
+    block_kv: int = 64  # keys per compute step (at least one page)
+    num_splits: int | None = None  # split-K partitions per (token, kv head); None: auto
+    target_programs: int = 1024  # auto: split until T * Hkv * splits reaches this
+    max_splits: int = 16
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.block_kv < 16 or self.block_kv != common.next_pow2(self.block_kv):
+            raise ValueError(f"block_kv={self.block_kv} must be a power of two >= 16")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1 or None")
+        if self.max_splits < 1:
+            raise ValueError(f"max_splits={self.max_splits} must be >= 1")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+    def splits(self, num_tokens: int, num_kv_heads: int, num_blocks: int) -> int:
+        """Split-K count: fixed, or doubled until the grid has ``target_programs`` programs."""
+        if self.num_splits is not None:
+            return max(1, min(self.num_splits, num_blocks))
+        splits = 1
+        while (splits * 2 <= min(self.max_splits, num_blocks)
+               and num_tokens * num_kv_heads * splits < self.target_programs):
+            splits *= 2
+        return splits
+
+
+def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref,
+                   o_ref, lse_ref, *, scale_log2: float, num_pages: int, block_size: int,
+                   num_kv_heads: int, group: int, block_kv: int, num_splits: int):
+    head, token, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer_row, seq = layer_ref[0] * num_pages, seq_ref[token]
+    lo, hi = lo_ref[token], hi_ref[token]
+    # This split's share of the token's compute blocks (balanced on the real length).
+    first_block = lo // block_kv
+    num_blocks = jnp.where(hi > lo, pl.cdiv(hi, block_kv) - first_block, 0)
+    per_split = pl.cdiv(num_blocks, num_splits)
+    split_lo = jnp.maximum(lo, (first_block + split * per_split) * block_kv)
+    split_hi = jnp.minimum(hi, (first_block + (split + 1) * per_split) * block_kv)
+
+    q = q_ref[...].astype(k_ref.dtype)  # [G', D]
+    group_pad, head_dim = q.shape
+
+    def step(masked: bool):
+        def body(block, carry):
+            keys = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            key_mask = ((keys >= split_lo) & (keys < split_hi)) if masked else None
+            k, v = common.load_kv_block(
+                k_ref, v_ref, tables_ref, layer_row, seq, head, block, block_size=block_size,
+                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask)
+            logit_mask = None if key_mask is None else jnp.broadcast_to(
+                key_mask[None, :], (group_pad, block_kv))
+            return common.softmax_step(q, k, v, carry, scale_log2, logit_mask)
+        return body
+
+    first, full_start, full_end, last = common.block_ranges(
+        split_lo, split_hi, split_lo, split_hi, block_kv)
+    carry = (jnp.zeros((group_pad, head_dim), jnp.float32),
+             jnp.full((group_pad,), common.MASK_VALUE, jnp.float32),
+             jnp.zeros((group_pad,), jnp.float32))
+    carry = jax.lax.fori_loop(first, full_start, step(True), carry)
+    carry = jax.lax.fori_loop(full_start, full_end, step(False), carry)
+    carry = jax.lax.fori_loop(full_end, last, step(True), carry)
+    out, lse = common.finish(carry)
+    real = jnp.arange(group_pad, dtype=jnp.int32) < group  # only the real query heads
+    pltriton.store(o_ref, out, mask=jnp.broadcast_to(real[:, None], (group_pad, head_dim)))
+    pltriton.store(lse_ref, lse, mask=real)
+
+
+def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merges split-K partials o f32[T, Hkv, K, G, D] with log2-sum-exp lse f32[T, Hkv, K, G]."""
+    if o.shape[2] == 1:
+        return o[:, :, 0]
+    m = lse.max(axis=2, keepdims=True)
+    weights = jnp.exp2(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # empty splits weigh 0
+    total = weights.sum(axis=2)
+    out = (o * weights[..., None]).sum(axis=2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
+def paged_attention_decode(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    v_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    layer: jax.Array | int,  # i32[]
+    block_tables: jax.Array,  # i32[S, W]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S + 1]
+    positions: jax.Array,  # i32[T]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    config: DecodeConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D] in q.dtype
+    """Same contract as :func:`paged_attention_reference`; built for one query token a sequence."""
+    common.check_shapes(q, k_pool, v_pool)
+    config = config or DecodeConfig()
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    group_pad = max(16, common.next_pow2(group))
+    num_pages = k_pool.shape[1]
+    block_kv = max(config.block_kv, block_size)  # whole pages
+    num_splits = config.splits(num_tokens, num_kv_heads,
+                               pl.cdiv(block_tables.shape[1] * block_size, block_kv))
+
+    seq, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
+    q_pad = common.pad_query(q, num_kv_heads, group_pad)  # [T, Hkv, G', D]
+    whole = pl.BlockSpec()
+    kernel = functools.partial(
+        _decode_kernel, scale_log2=scale * common.LOG2E, num_pages=num_pages,
+        block_size=block_size, num_kv_heads=num_kv_heads, group=group, block_kv=block_kv,
+        num_splits=num_splits)
+    o, lse = pl.pallas_call(
+        kernel,
+        # Heads vary fastest: the programs of one token read neighbouring rows of its pages.
+        grid=(num_kv_heads, num_tokens, num_splits),
+        in_specs=[whole, whole, whole, whole, whole,
+                  pl.BlockSpec((None, None, group_pad, head_dim), lambda h, t, s: (t, h, 0, 0)),
+                  whole, whole],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_pad, head_dim),
+                         lambda h, t, s: (t, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, group_pad), lambda h, t, s: (t, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, group_pad, head_dim),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, group_pad), jnp.float32),
+        ],
+        compiler_params=common.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="paged_attention_decode",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), seq, lo, hi,
+      q_pad, common.flat_pool(k_pool), common.flat_pool(v_pool))
+    out = combine_splits(o[:, :, :, :group], lse[..., :group])  # [T, Hkv, G, D]
+    return common.unpad_output(out, num_tokens, num_q_heads).astype(q.dtype)

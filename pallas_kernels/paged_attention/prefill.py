@@ -1,0 +1,169 @@
+"""Paged prefill / mixed attention in Pallas (Triton backend): flash attention over each
+sequence's pages for a chunk of query tokens (chunked prefill, prefix-cache hits, decodes).
+
+A program owns up to ``block_q`` consecutive query tokens of ONE sequence and one kv head;
+the ``G`` query heads of that kv head ride along as rows, so a tile has ``block_q * G'`` rows
+(``G'`` = G rounded up to a power of two)::
+
+    grid = (Q, Hkv)    Q = static bound on the number of query blocks
+    q block i:  tokens [t0[i], t1[i]) of sequence seq[i]     (t1 <= t0: nothing to do)
+    rows:       (token, query head) pairs, row r = token * G' + head
+    keys:       the union of the rows' ranges, [min kv_lo, max kv_hi), in compute blocks;
+                blocks inside every row's range run without masks, the others with masks.
+
+The padding tail of the token axis (past ``query_start_loc[-1]``) is one more "sequence"
+whose rows have no keys, so every output row is written (0 for padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_attention import common
+
+_INT_MAX = int(np.iinfo(np.int32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Tunables of the prefill kernel (static)."""
+
+    # NOTE: block_kv=128, num_stages=2 measured best of 6 configs on the H200 at 4 of 6 chunk
+    # points (258 against 222 TFLOP/s for 64 / 3 at 2048 tokens over 8k; benchmarks/RESULTS.md).
+    block_q_rows: int = 128  # query rows (tokens x query heads of a kv head) per program
+    block_kv: int = 128  # keys per compute step (at least one page)
+    num_warps: int = 8
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q_rows", "block_kv"):
+            value = getattr(self, name)
+            if value < 16 or value != common.next_pow2(value):
+                raise ValueError(f"{name}={value} must be a power of two >= 16")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int):
+    """(seq, t0, t1) i32[Q] for every query block; the padding tail is pseudo-sequence S."""
+    num_seqs = query_start_loc.shape[0] - 1
+    starts = jnp.concatenate([query_start_loc.astype(jnp.int32),
+                              jnp.full((1,), num_tokens, jnp.int32)])  # [S + 2]
+    counts = pl.cdiv(jnp.maximum(starts[1:] - starts[:-1], 0), block_q)  # [S + 1]
+    ends = jnp.cumsum(counts)
+    # Each sequence wastes less than one block; each block holds at least one token.
+    bound = min(pl.cdiv(num_tokens, block_q) + num_seqs + 1, num_tokens)
+    block = jnp.arange(bound, dtype=jnp.int32)
+    owner = jnp.minimum(jnp.searchsorted(ends, block, side="right"), num_seqs)
+    t0 = starts[owner] + (block - (ends[owner] - counts[owner])) * block_q
+    t1 = jnp.minimum(t0 + block_q, starts[owner + 1])
+    used = block < ends[-1]
+    return (jnp.minimum(owner, num_seqs - 1).astype(jnp.int32),
+            jnp.where(used, t0, 0).astype(jnp.int32), jnp.where(used, t1, 0).astype(jnp.int32))
+
+
+def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, hi_ref, q_ref,
+                    k_ref, v_ref, o_ref, *, scale_log2: float, num_pages: int, block_size: int,
+                    num_kv_heads: int, group_pad: int, block_q: int, block_kv: int):
+    qblock, head = pl.program_id(0), pl.program_id(1)
+    head_dim = q_ref.shape[1]
+    rows = block_q * group_pad
+    layer_row, seq = layer_ref[0] * num_pages, bseq_ref[qblock]
+    t0, t1 = bt0_ref[qblock], bt1_ref[qblock]
+
+    # Row r of the tile is query head r % G' of token t0 + r // G' (flat q row q_row[r]).
+    row = jnp.arange(rows, dtype=jnp.int32)
+    token = t0 + (row >> (group_pad.bit_length() - 1))  # group_pad is a power of two
+    row_ok = token < t1  # [M]
+    q_row = (token * num_kv_heads + head) * group_pad + (row & (group_pad - 1))
+    lo_r = pltriton.load(lo_ref.at[token], mask=row_ok, other=0)
+    hi_r = pltriton.load(hi_ref.at[token], mask=row_ok, other=0)
+    lo_min = jnp.where(row_ok, lo_r, _INT_MAX).min()
+    lo_max = lo_r.max()
+    hi_min = jnp.where(row_ok, hi_r, _INT_MAX).min()
+    hi_max = hi_r.max()
+
+    idx = (q_row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
+    tile_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
+    q = pltriton.load(q_ref.at[idx], mask=tile_mask, other=0).astype(k_ref.dtype)
+
+    def step(masked: bool):
+        def body(block, carry):
+            keys = block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+            key_mask = logit_mask = None
+            if masked:
+                key_mask = (keys >= lo_min) & (keys < hi_max)
+                logit_mask = (keys[None, :] >= lo_r[:, None]) & (keys[None, :] < hi_r[:, None])
+            k, v = common.load_kv_block(
+                k_ref, v_ref, tables_ref, layer_row, seq, head, block, block_size=block_size,
+                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask)
+            return common.softmax_step(q, k, v, carry, scale_log2, logit_mask)
+        return body
+
+    first, full_start, full_end, last = common.block_ranges(
+        lo_min, hi_max, lo_max, hi_min, block_kv)
+    carry = (jnp.zeros((rows, head_dim), jnp.float32),
+             jnp.full((rows,), common.MASK_VALUE, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    carry = jax.lax.fori_loop(first, full_start, step(True), carry)
+    carry = jax.lax.fori_loop(full_start, full_end, step(False), carry)
+    carry = jax.lax.fori_loop(full_end, last, step(True), carry)
+    out, _ = common.finish(carry)
+    pltriton.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=tile_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
+def paged_attention_prefill(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    v_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    layer: jax.Array | int,  # i32[]
+    block_tables: jax.Array,  # i32[S, W]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S + 1]
+    positions: jax.Array,  # i32[T]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    config: PrefillConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D] in q.dtype
+    """Same contract as :func:`paged_attention_reference`; any mix of chunks and decodes."""
+    common.check_shapes(q, k_pool, v_pool)
+    config = config or PrefillConfig()
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = k_pool.shape
+    group_pad = common.next_pow2(num_q_heads // num_kv_heads)
+    block_q = max(1, config.block_q_rows // group_pad)
+    block_kv = max(config.block_kv, block_size)  # whole pages
+
+    _, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
+    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, block_q)
+    q_pad = common.pad_query(q, num_kv_heads, group_pad)  # [T, Hkv, G', D]
+    whole = pl.BlockSpec()
+    kernel = functools.partial(
+        _prefill_kernel, scale_log2=scale * common.LOG2E, num_pages=k_pool.shape[1],
+        block_size=block_size, num_kv_heads=num_kv_heads, group_pad=group_pad,
+        block_q=block_q, block_kv=block_kv)
+    out = pl.pallas_call(
+        kernel,
+        grid=(bseq.shape[0], num_kv_heads),
+        in_specs=[whole] * 10,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct((math.prod(q_pad.shape[:-1]), head_dim), q.dtype),
+        compiler_params=common.compiler_params(config.num_warps, config.num_stages),
+        interpret=interpret,
+        name="paged_attention_prefill",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), bseq, bt0, bt1,
+      lo, hi, q_pad.reshape(-1, head_dim), common.flat_pool(k_pool), common.flat_pool(v_pool))
+    return common.unpad_output(out.reshape(q_pad.shape), num_tokens, num_q_heads)

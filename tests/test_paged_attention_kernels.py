@@ -1,0 +1,325 @@
+"""The Pallas paged-attention kernels against the float32 reference.
+
+Every suite runs twice: ``...Interpret`` classes run the kernels in the Pallas interpreter on
+CPU (CI); ``...GPU`` classes compile them with Triton and skip without a GPU.
+The full dtype x block size x head-shape grids are marked ``kernel_grid`` (part of the default
+run; ``-m "not kernel_grid"`` keeps a smoke subset).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from paged_attention_cases import TOLERANCES, decode_chunks, make_case
+
+from jaxllm.attention import is_decode_batch, paged_attention, resolve_backend
+from jaxllm.batch import BatchMetadata, KVPool
+from pallas_kernels.paged_attention import (
+    DecodeConfig,
+    PrefillConfig,
+    kernels_support,
+    paged_attention_decode,
+    paged_attention_prefill,
+    paged_attention_reference,
+)
+from pallas_kernels.paged_attention.shapes import AWKWARD_LENGTHS, HEAD_SHAPES
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+ON_GPU = jax.default_backend() == "gpu"
+DTYPES = [jnp.float32, jnp.bfloat16]
+BLOCK_SIZES = [8, 16, 32]
+GRID_HEADS = ["small_gqa", "small_mha", "odd_group"]
+# Prompt chunks over cached prefixes, decodes, a full 1023-token prefill and an empty slot.
+MIXED_CHUNKS = [(0, 1), (16, 1), (0, 17), (15, 3), (510, 3), (0, 513), (1000, 23), (1022, 1)]
+
+
+reference = jax.jit(paged_attention_reference, static_argnames=("scale", "sliding_window"))
+
+
+def check(kernel, case, dtype, **kwargs):
+    out = kernel(*case.args, scale=case.scale, sliding_window=case.sliding_window, **kwargs)
+    ref = reference(*case.args, scale=case.scale, sliding_window=case.sliding_window)
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    n = case.num_real_tokens
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    np.testing.assert_allclose(out[:n], ref[:n], **TOLERANCES[dtype])
+    np.testing.assert_array_equal(out[n:], 0.0)  # padding tokens: written, and 0
+    rel = np.linalg.norm(out[:n] - ref[:n]) / np.linalg.norm(ref[:n])
+    assert rel < (1e-5 if dtype == jnp.float32 else 1e-2), rel
+
+
+def case_for(chunks, head_name, block_size, dtype, **kwargs):
+    h = HEAD_SHAPES[head_name]
+    return make_case(chunks, block_size=block_size, num_q_heads=h.num_q_heads,
+                     num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=dtype, **kwargs)
+
+
+class DecodeSuite:
+    INTERPRET = True
+
+    def run(self, case, dtype, **config):
+        kernel = functools.partial(paged_attention_decode, interpret=self.INTERPRET,
+                                   config=DecodeConfig(**config))
+        check(kernel, case, dtype)
+
+    @pytest.mark.kernel_grid
+    @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+    @pytest.mark.parametrize("block_size", BLOCK_SIZES)
+    @pytest.mark.parametrize("heads", GRID_HEADS)
+    def test_awkward_lengths_grid(self, heads, block_size, dtype):
+        case = case_for(decode_chunks(AWKWARD_LENGTHS), heads, block_size, dtype,
+                        seed=block_size, extra_tokens=1)
+        self.run(case, dtype)
+
+    @pytest.mark.parametrize("num_splits", [1, 3, 16])
+    def test_split_k(self, num_splits):
+        case = case_for(decode_chunks([1, 40, 513, 1023]), "small_gqa", 16, jnp.float32)
+        self.run(case, jnp.float32, num_splits=num_splits, block_kv=32)
+
+    def test_sliding_window(self):
+        case = case_for(decode_chunks([3, 17, 100, 513]), "small_gqa", 16, jnp.float32,
+                        sliding_window=37)
+        self.run(case, jnp.float32, num_splits=2, block_kv=32)
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+    def test_head_dim_128(self, dtype):
+        case = case_for(decode_chunks([17, 300]), "llama3_8b", 16, dtype)
+        self.run(case, dtype)
+
+    def test_any_batch_is_correct(self):
+        """Prompt chunks through the decode kernel: slow, but the same numbers."""
+        case = case_for(MIXED_CHUNKS[:4], "small_gqa", 8, jnp.float32)
+        self.run(case, jnp.float32, block_kv=16)
+
+
+class PrefillSuite:
+    INTERPRET = True
+
+    def run(self, case, dtype, **config):
+        kernel = functools.partial(paged_attention_prefill, interpret=self.INTERPRET,
+                                   config=PrefillConfig(**config))
+        check(kernel, case, dtype)
+
+    @pytest.mark.kernel_grid
+    @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+    @pytest.mark.parametrize("block_size", BLOCK_SIZES)
+    @pytest.mark.parametrize("heads", GRID_HEADS)
+    def test_mixed_batch_grid(self, heads, block_size, dtype):
+        case = case_for(MIXED_CHUNKS, heads, block_size, dtype, seed=block_size)
+        self.run(case, dtype)
+
+    @pytest.mark.parametrize("block_q_rows,block_kv", [(16, 16), (64, 32), (128, 64)])
+    def test_tile_sizes(self, block_q_rows, block_kv):
+        case = case_for(MIXED_CHUNKS, "small_gqa", 16, jnp.float32, seed=3)
+        self.run(case, jnp.float32, block_q_rows=block_q_rows, block_kv=block_kv)
+
+    def test_sliding_window(self):
+        case = case_for(MIXED_CHUNKS, "small_gqa", 16, jnp.float32, sliding_window=37)
+        self.run(case, jnp.float32, block_q_rows=32, block_kv=32)
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+    def test_head_dim_128(self, dtype):
+        case = case_for([(0, 70), (40, 33), (99, 1)], "llama3_8b", 16, dtype)
+        self.run(case, dtype)
+
+    def test_decode_batch(self):
+        case = case_for(decode_chunks(AWKWARD_LENGTHS), "smollm2_135m", 16, jnp.bfloat16)
+        self.run(case, jnp.bfloat16)
+
+
+class TestDecodeInterpret(DecodeSuite):
+    INTERPRET = True
+
+
+class TestPrefillInterpret(PrefillSuite):
+    INTERPRET = True
+
+
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@gpu_only
+class TestDecodeGPU(DecodeSuite):
+    INTERPRET = False
+
+    def test_large_batch(self):
+        rng = np.random.default_rng(0)
+        lengths = rng.integers(1, 4096, size=64).tolist()
+        case = case_for(decode_chunks(lengths), "llama3_8b", 16, jnp.bfloat16)
+        self.run(case, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+class TestPrefillGPU(PrefillSuite):
+    INTERPRET = False
+
+    def test_long_chunks(self):
+        case = case_for([(2048, 512), (0, 2048), (8000, 100)], "llama3_8b", 16, jnp.bfloat16)
+        self.run(case, jnp.bfloat16)
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+
+def batch_of(case) -> tuple[jax.Array, KVPool, BatchMetadata]:
+    q, k, v, _, tables, seq_lens, starts, positions = case.args
+    batch = BatchMetadata(input_ids=positions, positions=positions, slot_mapping=positions,
+                          block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
+                          logits_indices=positions[:1])
+    return q, KVPool(k, v), batch
+
+
+def test_auto_backend_is_reference_on_cpu_and_pallas_on_gpu():
+    assert resolve_backend("auto") == ("pallas" if ON_GPU else "reference")
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_backend("triton")
+
+
+def test_decode_batches_are_recognised_by_shape():
+    case = case_for(decode_chunks([3, 17]), "small_gqa", 16, jnp.float32, extra_tokens=1)
+    q, _, batch = batch_of(case)
+    assert is_decode_batch(q, batch)
+    case = case_for([(0, 5), (3, 1)], "small_gqa", 16, jnp.float32)
+    q, _, batch = batch_of(case)
+    assert not is_decode_batch(q, batch)
+
+
+@pytest.mark.parametrize("chunks", [decode_chunks([3, 40]), MIXED_CHUNKS[:4]],
+                         ids=["decode", "mixed"])
+def test_dispatch_interpret_matches_reference(chunks):
+    case = case_for(chunks, "small_gqa", 8, jnp.float32, extra_tokens=1)
+    q, pool, batch = batch_of(case)
+    run = lambda backend: np.asarray(paged_attention(
+        q, pool, case.args[3], batch, scale=case.scale, sliding_window=None, backend=backend))
+    n = case.num_real_tokens
+    np.testing.assert_allclose(run("pallas_interpret")[:n], run("reference")[:n],
+                               **TOLERANCES[jnp.float32])
+
+
+def test_unsupported_head_dim_falls_back_to_reference():
+    case = make_case([(0, 3)], block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=24)
+    assert not kernels_support(*case.args[:3])
+    q, pool, batch = batch_of(case)
+    out = paged_attention(q, pool, case.args[3], batch, scale=case.scale, sliding_window=None,
+                          backend="pallas_interpret")
+    ref = paged_attention_reference(*case.args, scale=case.scale)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_decode(*case.args, scale=case.scale, interpret=True)
+
+
+# --- through the model ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["mistral_sliding", "qwen2_bias"])
+def test_tiny_model_logits_interpret_match_reference(name):
+    """Chunked prefill then decode steps, kernel path vs reference path, same logits."""
+    from tiny_models import TINY_CONFIGS, PagedRunner, random_params
+
+    cfg = TINY_CONFIGS[name]
+    params = random_params(cfg)
+    tokens = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 23))
+    table = [5, 2, 9, 7, 11, 3, 8]
+    logits = {}
+    for backend in ("reference", "pallas_interpret"):
+        runner = PagedRunner(cfg, params, block_size=4, num_blocks=16, backend=backend)
+        logits[backend] = runner.run(tokens, [9, 11, 1, 1, 1], table)
+    np.testing.assert_allclose(logits["pallas_interpret"], logits["reference"], atol=1e-4,
+                               rtol=1e-4)
+
+
+def greedy_tokens(model, prompts, backend, max_new_tokens):
+    import jaxllm
+
+    width = max(map(len, prompts))
+    ids = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
+    out = jaxllm.generate(model.params, ids, jnp.asarray([len(p) for p in prompts]),
+                          jax.random.key(0), config=model.config,
+                          max_new_tokens=max_new_tokens, attention_backend=backend)
+    return np.asarray(out.tokens)
+
+
+def scaled_dummy_model(config, dtype):
+    """Dummy weights rescaled so logits are far from uniform (greedy ties would be noise)."""
+    import jaxllm
+
+    model = jaxllm.load_model(load_format="dummy", config=config, dtype=dtype)
+
+    def rescale(path, leaf):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.ones_like(leaf)
+        fan_in = leaf.shape[-2] if leaf.ndim >= 2 else leaf.shape[-1]
+        return (leaf.astype(jnp.float32) * (1.7e3 / fan_in ** 0.5)).astype(leaf.dtype)
+
+    return dataclasses.replace(
+        model, params=jax.tree_util.tree_map_with_path(rescale, model.params))
+
+
+def test_generate_interpret_matches_reference_tokens():
+    from tiny_models import TINY_CONFIGS
+
+    model = scaled_dummy_model(TINY_CONFIGS["llama3_rope_scaling"], "float32")
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
+    ref = greedy_tokens(model, prompts, "reference", 6)
+    np.testing.assert_array_equal(greedy_tokens(model, prompts, "pallas_interpret", 6), ref)
+
+
+E2E_CONFIG = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048,
+                  num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  rope_theta=500000.0)  # Llama-3-shaped attention: 32/8 heads, head dim 128
+
+
+def top2_margin(model, tokens, backend):
+    """Top-1 minus top-2 logit after ``tokens`` (one full prefill through ``backend``)."""
+    from jaxllm import KVPool, SeqChunk, make_forward, pack_batch
+
+    cfg, block = model.config, 16
+    num_blocks = -(-len(tokens) // block)
+    pool = KVPool.zeros(cfg.num_hidden_layers, num_blocks + 1, block, cfg.num_key_value_heads,
+                        cfg.head_dim, model.dtype)
+    batch = pack_batch([SeqChunk(tokens, 0, list(range(1, num_blocks + 1)))], block)
+    logits, _ = make_forward(cfg, model.dtype, backend)(model.params, pool, batch)
+    top = np.sort(np.asarray(logits[0], np.float32))[::-1]
+    return float(top[0] - top[1])
+
+
+def check_greedy_generation(dtype, backend, max_new_tokens=48, tie=0.1):
+    """Greedy tokens through ``backend`` equal the reference's; a row may only part ways where
+    the reference's own top-2 logits are within ``tie`` (bf16 rounds logits near 3 to 0.016;
+    a flash kernel rounds p to bf16 before p @ V, the reference does not)."""
+    from jaxllm import ModelConfig
+
+    model = scaled_dummy_model(ModelConfig(**E2E_CONFIG), dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 4096, n).tolist() for n in (5, 77, 300, 1030)]
+    ref = greedy_tokens(model, prompts, "reference", max_new_tokens)
+    out = greedy_tokens(model, prompts, backend, max_new_tokens)
+    report = []
+    for prompt, r, o in zip(prompts, ref, out, strict=True):
+        diff = np.nonzero(r != o)[0]
+        if diff.size:
+            step = int(diff[0])
+            margin = top2_margin(model, prompt + r[:step].tolist(), "reference")
+            report.append((len(prompt), step, margin))
+    assert all(margin < tie for _, _, margin in report), (
+        f"rows (prompt length, first differing step, reference top-2 margin): {report}")
+    return (out == ref).mean(), report
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype,tie", [("float32", 1e-3), ("bfloat16", 0.1)])
+def test_generate_on_gpu_kernel_tokens_match_reference(dtype, tie):
+    """Dummy-weight Llama-3-shaped model, greedy: the kernel path gives the reference's tokens."""
+    same, report = check_greedy_generation(dtype, "pallas", tie=tie)
+    print(f"{dtype}: {same:.3f} of tokens equal; near-tie divergences {report}")
