@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: run test lint fixtures clean-venv
 
 run: $(STAMP)
-	$(VENV)/bin/jaxllm generate --prompt "$(or $(PROMPT),What are three good reasons to learn a second language?)"
+	$(VENV)/bin/jaxllm serve $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxllm pallas_kernels serve tests benchmarks

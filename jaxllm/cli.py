@@ -1,8 +1,10 @@
-"""The ``jaxllm`` command line. Subcommands: ``generate`` (serve and bench arrive later)."""
+"""The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply) and ``serve``
+(the OpenAI-compatible server, ``python -m serve``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -91,10 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed the prompt as raw text instead of a chat message")
     gen.set_defaults(handler=_generate)
+    # Listed for --help only: main() hands `jaxllm serve ...` to `python -m serve ...`.
+    sub.add_parser("serve", add_help=False,
+                   help="serve a model behind an OpenAI-compatible HTTP API (see "
+                        "`jaxllm serve --help`)")
     return parser
 
 
+def _serve(argv: list[str]) -> None:
+    """Replaces this process with ``python -m serve ARGS``: the server sits a layer above
+    the engine (serve imports jaxllm, never the reverse), and signals reach it directly."""
+    os.execv(sys.executable, [sys.executable, "-m", "serve", *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        _serve(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -1,0 +1,155 @@
+"""``jaxllm serve`` flags, spelled and defaulted as ``vllm serve``'s, mapped onto
+:class:`~jaxllm.engine.config.EngineConfig` (engine) and :class:`ServerConfig` (HTTP front end).
+
+Values jaxllm cannot honour yet (``--tensor-parallel-size 2``, ``--quantization awq`` ...) fail
+here, before anything is loaded, with a message that says what is supported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from jaxllm.engine.config import BLOCK_SIZES, EngineConfig
+
+DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
+API_KEY_ENV = "JAXLLM_API_KEY"
+MEMORY_MONITOR_ENV = "JAXLLM_MEMORY_MONITOR"
+MEMORY_MONITOR_INTERVAL_ENV = "JAXLLM_MEMORY_MONITOR_INTERVAL"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end's settings (the engine's are in EngineConfig)."""
+
+    host: str | None = None  # None: every interface (as vLLM)
+    port: int = 8000
+    served_model_name: tuple[str, ...] = ()  # () = the model's name; the first one is reported
+    api_key: str | None = None
+    max_queue_len: int | None = None  # requests accepted but not yet generating; None = no cap
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    disable_log_stats: bool = False
+    disable_log_requests: bool = False
+    stats_interval: float = 5.0  # seconds between stats log lines (vLLM: 5)
+    memory_monitor: bool = False
+    memory_monitor_interval: float = 10.0
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(0 <= self.port <= 65535, f"port={self.port} must be in [0, 65535]")
+        need(self.max_queue_len is None or self.max_queue_len >= 1,
+             f"max_queue_len={self.max_queue_len} must be >= 1")
+        need(self.max_request_body_bytes >= 1024,
+             f"max_request_body_bytes={self.max_request_body_bytes} must be >= 1024")
+        need(self.shutdown_timeout >= 0,
+             f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        need(self.stats_interval > 0, f"stats_interval={self.stats_interval} must be > 0")
+        need(self.memory_monitor_interval > 0,
+             f"memory_monitor_interval={self.memory_monitor_interval} must be > 0")
+        need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
+
+
+def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description="Serve a model behind an OpenAI-compatible HTTP API "
+                               "(/v1/completions, /v1/chat/completions, /metrics ...).")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face model directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="same as MODEL")
+    front = p.add_argument_group("server")
+    front.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
+    front.add_argument("--port", type=int, default=8000)
+    front.add_argument("--served-model-name", nargs="+", default=None,
+                       help="name(s) clients use in 'model'; the first is reported")
+    front.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1 and tokenize routes "
+                            f"(also from ${API_KEY_ENV})")
+    front.add_argument("--max-queue-len", type=int, default=None,
+                       help="requests waiting to start before new ones get 429 (default: "
+                            "unbounded, as vLLM)")
+    front.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413")
+    front.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may run after SIGTERM before they "
+                            "are aborted")
+    front.add_argument("--disable-log-stats", action="store_true")
+    front.add_argument("--disable-log-requests", action="store_true",
+                       help="no access log line per request")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    engine.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"])
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--block-size", type=int, default=16, choices=list(BLOCK_SIZES))
+    engine.add_argument("--max-num-seqs", type=int, default=None,
+                        help="sequences per step (default: 256 on GPU, 32 on CPU)")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: 2048 on GPU, 512 on CPU)")
+    engine.add_argument("--max-model-len", "--max-seq-len", dest="max_model_len", type=int,
+                        default=None, help="context length (default: the model's)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--swap-space", type=float, default=4.0,
+                        help="GiB of host memory for swapped-out KV blocks")
+    engine.add_argument("--cpu-kv-cache-space", type=float, default=4.0,
+                        help="GiB for the KV pool when running on CPU")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="compile step shapes on first use instead of warming them all up")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=False)
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
+    engine.add_argument("--quantization", "-q", default=None,
+                        help="only None (or 'gguf' for a .gguf model, dequantized at load)")
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    return p
+
+
+def configs_from_args(args: argparse.Namespace,
+                      environ: dict | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """Both configs from parsed flags; raises ValueError for values jaxllm cannot serve."""
+    environ = os.environ if environ is None else environ
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported "
+                         "yet: jaxllm serves a model on one device (use 1)")
+    if args.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size} is not "
+                         "supported yet: jaxllm serves a model on one device (use 1)")
+    if args.quantization is not None:
+        is_gguf = model is None or model.endswith(".gguf") or args.load_format == "gguf"
+        if not (args.quantization == "gguf" and is_gguf):
+            raise ValueError(
+                f"--quantization={args.quantization} is not supported: jaxllm loads "
+                "unquantized checkpoints and GGUF files (dequantized at load; "
+                "--quantization gguf or none)")
+    engine = EngineConfig(
+        model=model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
+        cpu_kv_cache_space=args.cpu_kv_cache_space,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
+        disable_log_stats=args.disable_log_stats)
+    server = ServerConfig(
+        host=args.host, port=args.port,
+        served_model_name=tuple(args.served_model_name or ()),
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+        max_queue_len=args.max_queue_len, max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout, disable_log_stats=args.disable_log_stats,
+        disable_log_requests=args.disable_log_requests,
+        memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
+        memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")))
+    return engine, server

@@ -1,0 +1,200 @@
+"""Response bodies and SSE chunks of completions and chat completions, as vLLM/OpenAI send
+them. A :class:`ResponseBuilder` turns cumulative engine outputs into whole responses or into
+stream deltas (one per choice, empty ones skipped)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+
+from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from serve.protocol import GenerationRequest
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event: ``data: <json>\\n\\n``."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + \
+        b"\n\n"
+
+
+def num_known(token_ids: list[int]) -> int:
+    """Output tokens with known ids: the engine may end the list with placeholders (negative
+    ids) for tokens still being sampled on the device."""
+    n = len(token_ids)
+    while n and token_ids[n - 1] < 0:
+        n -= 1
+    return n
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclasses.dataclass
+class _Choice:
+    text_sent: int = 0  # characters of output text already streamed
+    tokens_sent: int = 0  # output tokens whose logprobs were streamed
+    text_offset: int = 0  # completions logprobs: offset of the next token's text
+    num_tokens: int = 0
+    finished: bool = False
+    started: bool = False  # echo / role sent
+
+
+class ResponseBuilder:
+    """Bodies for one request of ``len(prompt_lens)`` prompts with ``n`` samples each.
+
+    ``token_text(id)`` gives a token's text for logprobs; ``prompt_texts`` the prompts for echo.
+    """
+
+    def __init__(self, req: GenerationRequest, request_id: str, model: str,
+                 prompt_lens: list[int], prompt_texts: list[str],
+                 token_text: Callable[[int], str]):
+        self.req = req
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.n = req.params.n
+        self.prompt_lens = prompt_lens
+        self.prompt_texts = prompt_texts
+        self._token_text = token_text
+        self.choices = [_Choice() for _ in range(len(prompt_lens) * self.n)]
+        self.object = "chat.completion" if req.chat else "text_completion"
+
+    # ----------------------------------------------------------------- non-streaming
+    def full(self, finals: dict[int, RequestOutput]) -> dict:
+        choices = []
+        for prompt_index in sorted(finals):
+            for out in finals[prompt_index].outputs:
+                index = prompt_index * self.n + out.index
+                choices.append(self._full_choice(index, prompt_index, out))
+                self.choices[index].num_tokens = num_known(out.token_ids)
+        choices.sort(key=lambda c: c["index"])
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def _full_choice(self, index: int, prompt_index: int, out: CompletionOutput) -> dict:
+        known = num_known(out.token_ids)
+        logprobs = self._logprobs(self.choices[index], out.token_ids[:known],
+                                  out.logprobs[:known] if out.logprobs is not None else None)
+        choice = {"index": index}
+        if self.req.chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+        else:
+            echo = self.prompt_texts[prompt_index] if self.req.echo else ""
+            choice["text"] = echo + out.text
+        choice.update(logprobs=logprobs, finish_reason=out.finish_reason or "abort",
+                      stop_reason=out.stop_reason)
+        return choice
+
+    def usage(self) -> dict:
+        return usage(sum(self.prompt_lens), sum(c.num_tokens for c in self.choices))
+
+    # --------------------------------------------------------------------- streaming
+    def first_chunks(self) -> list[dict]:
+        """Chat: one chunk per choice carrying the assistant role, before any content."""
+        if not self.req.chat:
+            return []
+        chunks = []
+        for index, choice in enumerate(self.choices):
+            choice.started = True
+            chunks.append(self._chunk({"index": index, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                       "logprobs": None, "finish_reason": None}, index))
+        return chunks
+
+    def deltas(self, prompt_index: int, output: RequestOutput) -> list[dict]:
+        """Stream chunks for what is new in ``output`` (cumulative) since the last call."""
+        chunks = []
+        for out in output.outputs:
+            index = prompt_index * self.n + out.index
+            state = self.choices[index]
+            if state.finished:
+                continue
+            text = out.text[state.text_sent:]
+            known = num_known(out.token_ids)
+            if out.logprobs is not None:
+                known = min(known, len(out.logprobs))
+            new_tokens = out.token_ids[state.tokens_sent:known]
+            state.num_tokens = known
+            finish = out.finish_reason or ("abort" if output.finished else None)
+            want_logprobs = out.logprobs is not None and bool(new_tokens)
+            if not text and finish is None and not want_logprobs:
+                continue  # nothing to show yet (text held back, or an empty prefill step)
+            logprobs = None
+            if out.logprobs is not None:
+                logprobs = self._logprobs(state, new_tokens,
+                                          out.logprobs[state.tokens_sent:known])
+                state.tokens_sent = known
+            state.text_sent = len(out.text)
+            if not state.started:
+                state.started = True
+                if self.req.echo:
+                    text = self.prompt_texts[prompt_index] + text
+            if self.req.chat:
+                choice = {"index": index, "delta": {"content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(logprobs=logprobs, finish_reason=finish,
+                          stop_reason=out.stop_reason if finish else None)
+            state.finished = finish is not None
+            chunks.append(self._chunk(choice, index))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {"id": self.id, "object": self._chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.req.chat else "text_completion"
+
+    def _chunk(self, choice: dict, index: int) -> dict:
+        chunk = {"id": self.id, "object": self._chunk_object, "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.req.continuous_usage_stats:
+            chunk["usage"] = usage(self.prompt_lens[index // self.n],
+                                   self.choices[index].num_tokens)
+        return chunk
+
+    # ---------------------------------------------------------------------- logprobs
+    def _token(self, token_id: int) -> str:
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self._token_text(token_id)
+
+    def _logprobs(self, state: _Choice, token_ids: list[int],
+                  entries: list[dict[int, float]] | None) -> dict | None:
+        """OpenAI's logprobs object for ``token_ids``; each entry maps the sampled id and the
+        top-k ids to their logprobs (the sampled id first)."""
+        if entries is None:
+            return None
+        if self.req.chat:
+            k = self.req.top_logprobs or 0
+            return {"content": [self._chat_entry(t, e, k)
+                                for t, e in zip(token_ids, entries, strict=True)]}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            text = self._token(token_id)
+            tokens.append(text)
+            token_logprobs.append(entry[token_id])
+            top.append({self._token(t): lp for t, lp in entry.items()})
+            offsets.append(state.text_offset)
+            state.text_offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def _chat_entry(self, token_id: int, entry: dict[int, float], k: int) -> dict:
+        # The entry holds the sampled id plus the top k; the sampled one is extra when the
+        # entry has k + 1 ids.
+        alternatives = list(entry.items())[1:] if len(entry) > k else list(entry.items())
+        alternatives.sort(key=lambda item: -item[1])
+        text = self._token(token_id)
+        return {"token": text, "logprob": entry[token_id], "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self._token(t), "logprob": lp,
+                                  "bytes": list(self._token(t).encode())}
+                                 for t, lp in alternatives[:k]]}

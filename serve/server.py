@@ -1,0 +1,157 @@
+"""Running the app: bind, serve until told to stop, then drain.
+
+Shutdown (SIGTERM / SIGINT, or ``BackgroundServer.stop``): new requests get 503 and
+``/health`` turns 503 while the socket stays open; in-flight requests may finish for up to
+``--shutdown-timeout`` seconds; what is left is aborted (``finish_reason="abort"``); then the
+listener closes and the engine loop stops. A second signal aborts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+from aiohttp import web
+
+from jaxllm.engine.async_engine import AsyncLLMEngine
+from serve.app import build_app, log_config
+from serve.args import ServerConfig
+from serve.generation import STATE
+from serve.state import ServerState
+
+logger = logging.getLogger("serve")
+ABORT_GRACE = 5.0  # seconds for aborted requests to send their last chunk
+
+
+async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio.Event,
+                     on_ready: Callable[[web.Application, list], None] | None = None) -> None:
+    """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring)."""
+    app = build_app(engine, config)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
+                           access_log=None if config.disable_log_requests else
+                           logging.getLogger("aiohttp.access"))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        state = app[STATE]
+        logger.info("serving %s on %s (%s)", state.model_name,
+                    ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses),
+                    log_config(config))
+        if on_ready is not None:
+            on_ready(app, runner.addresses)
+        await stop.wait()
+        await drain(state, config.shutdown_timeout)
+    finally:
+        await runner.cleanup()
+
+
+async def drain(state: ServerState, timeout: float) -> None:
+    state.draining = True
+    if state.handlers:
+        logger.info("shutting down: %d requests in flight get up to %.0f s to finish",
+                    state.handlers, timeout)
+    if not await state.wait_idle(timeout):
+        logger.warning("shutdown timeout: aborting %d requests", len(state.active))
+        state.abort_all()
+        await state.wait_idle(ABORT_GRACE)
+    logger.info("drained; stopping")
+
+
+def serve_forever(engine: AsyncLLMEngine, config: ServerConfig) -> None:
+    """Blocks until SIGTERM/SIGINT and the drain that follows; stops the engine loop."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        states: list[ServerState] = []
+
+        def on_signal() -> None:
+            if stop.is_set():  # second signal: stop waiting for in-flight requests
+                for state in states:
+                    state.abort_all()
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        await run_server(engine, config, stop, lambda app, _: states.append(app[STATE]))
+
+    engine.start()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+
+class BackgroundServer:
+    """The server on its own thread and event loop, for tests and notebooks::
+
+        with BackgroundServer(AsyncLLMEngine(llm.engine), ServerConfig(port=0)) as server:
+            requests.get(server.url + "/health")
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+        self.engine = engine
+        self.config = config
+        self.app: web.Application | None = None
+        self.url = ""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="jaxllm-server", daemon=True)
+
+    @property
+    def state(self) -> ServerState:
+        assert self.app is not None
+        return self.app[STATE]
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        self.engine.start()
+        self._thread.start()
+        if not self._ready.wait(timeout) or self._error is not None:
+            raise RuntimeError(f"the server did not start: {self._error!r}")
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    def call(self, fn: Callable, timeout: float = 60.0):
+        """Runs ``await fn()`` on the server's loop (e.g. ``engine.run_in_engine(...)``) and
+        returns its result."""
+        assert self._loop is not None
+
+        async def run():
+            return await fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            await run_server(self.engine, self.config, self._stop, self._on_ready)
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+            self._ready.set()
+
+    def _on_ready(self, app: web.Application, addresses: list) -> None:
+        self.app = app
+        host, port = addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        self._ready.set()

@@ -1,0 +1,94 @@
+"""`jaxllm serve` / `python -m serve` flags (vLLM's spellings onto EngineConfig), start-up
+refusals for what jaxllm cannot serve yet, and the memory monitor's leak watch."""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from serve.args import ServerConfig, build_parser, configs_from_args
+from serve.stats import LeakWatch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def configs(*argv, environ=None):
+    return configs_from_args(build_parser().parse_args(list(argv)), environ or {})
+
+
+def test_vllm_flags_map_onto_the_engine_config():
+    engine, server = configs(
+        "/models/llama", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+        "--max-seq-len", "1024", "--block-size", "32", "--gpu-memory-utilization", "0.5",
+        "--swap-space", "2", "--enforce-eager", "--enable-prefix-caching",
+        "--scheduling-policy", "priority", "--preemption-mode", "swap", "--seed", "3",
+        "--dtype", "bfloat16", "--load-format", "dummy", "--port", "9000",
+        "--served-model-name", "a", "b", "--max-queue-len", "5", "--shutdown-timeout", "0")
+    assert (engine.model, engine.max_num_seqs, engine.max_num_batched_tokens,
+            engine.max_model_len, engine.block_size) == ("/models/llama", 8, 256, 1024, 32)
+    assert (engine.gpu_memory_utilization, engine.swap_space, engine.enforce_eager,
+            engine.enable_prefix_caching, engine.scheduling_policy, engine.preemption_mode,
+            engine.seed, engine.dtype, engine.load_format) == (
+        0.5, 2.0, True, True, "priority", "swap", 3, "bfloat16", "dummy")
+    assert (server.port, server.served_model_name, server.max_queue_len,
+            server.shutdown_timeout, server.host) == (9000, ("a", "b"), 5, 0.0, None)
+    defaults, server = configs()
+    assert defaults.model is None and server.port == 8000 and server.api_key is None
+    assert configs("--max-model-len", "64")[0].max_model_len == 64
+
+
+def test_api_key_and_memory_monitor_come_from_the_environment():
+    _, server = configs(environ={"JAXLLM_API_KEY": "k", "JAXLLM_MEMORY_MONITOR": "1"})
+    assert server.api_key == "k" and server.memory_monitor
+    assert configs("--api-key", "flag", environ={"JAXLLM_API_KEY": "env"})[1].api_key == "flag"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size=2 is not supported yet"),
+    (["-pp", "2"], "--pipeline-parallel-size=2 is not supported yet"),
+    (["--quantization", "awq"], "--quantization=awq is not supported"),
+    (["/models/llama", "-q", "gguf"], "--quantization=gguf is not supported"),
+    (["a", "--model", "b"], "two models given"),
+])
+def test_unsupported_values_fail_before_loading(argv, message):
+    with pytest.raises(ValueError, match=message):
+        configs(*argv)
+    assert configs("-q", "gguf")[0].model is None  # the default model is a GGUF file
+
+
+@pytest.mark.parametrize("field, value", [("port", 70000), ("max_queue_len", 0),
+                                          ("shutdown_timeout", -1), ("api_key", ""),
+                                          ("max_request_body_bytes", 10)])
+def test_server_config_validates(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**{field: value})
+
+
+def test_jaxllm_serve_hands_over_to_python_m_serve():
+    result = subprocess.run([sys.executable, "-m", "jaxllm", "serve", "-tp", "4"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--tensor-parallel-size=4 is not supported yet" in result.stderr
+    assert "Traceback" not in result.stderr
+    help_text = subprocess.run([sys.executable, "-m", "jaxllm", "serve", "--help"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=120).stdout
+    for flag in ("--max-num-seqs", "--max-model-len", "--api-key", "--max-queue-len",
+                 "--shutdown-timeout", "--served-model-name", "--enable-prefix-caching"):
+        assert flag in help_text
+
+
+def test_leak_watch_flags_steady_growth_only(caplog):
+    mib = 1 << 20
+    watch = LeakWatch("host RSS", window=6, min_growth=10 * mib)
+    with caplog.at_level(logging.WARNING, logger="serve.stats"):
+        assert not any(watch.add(500 * mib + (i % 2) * 30 * mib) for i in range(12))  # noisy
+        flat = LeakWatch("device memory", window=6, min_growth=10 * mib)
+        assert not any(flat.add(500 * mib + i * mib) for i in range(12))  # grows, but little
+        growing = LeakWatch("host RSS", window=6, min_growth=10 * mib)
+        flags = [growing.add(600 * mib + i * 5 * mib) for i in range(12)]
+    assert flags == [False] * 5 + [True] + [False] * 5 + [True]  # once per window
+    assert "host RSS grew steadily" in caplog.text
