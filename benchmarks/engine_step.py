@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--mode", choices=["async", "sync"], default="async")
+    parser.add_argument("--unroll-layers", action="store_true")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
@@ -80,7 +81,8 @@ def main() -> None:
         max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16, enforce_eager=True,
         gpu_memory_utilization=args.gpu_memory_utilization, compilation_cache_dir=None,
-        attention_backend=args.attention_backend, async_scheduling=args.mode == "async"),
+        attention_backend=args.attention_backend, async_scheduling=args.mode == "async",
+        unroll_layers=args.unroll_layers),
         model=model, progress=False)
     run_round(engine, args, "warm")
     result = run_round(engine, args, "timed")

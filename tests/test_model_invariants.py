@@ -3,11 +3,13 @@ padded or placed in the pool, every position's logits are the same."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_models import TINY_CONFIGS, PagedRunner, random_params
 
-from jaxllm import SeqChunk
+from jaxllm import SeqChunk, make_forward
 
 SEQ_LEN = 23
 ATOL = 2e-5
@@ -89,3 +91,14 @@ def test_sliding_window_limits_attention():
     window = cfg.sliding_window
     np.testing.assert_allclose(windowed[:window], unwindowed[:window], atol=ATOL, rtol=1e-5)
     assert np.abs(windowed[window:] - unwindowed[window:]).max() > 1e-3
+
+
+def test_unrolled_layers_give_the_same_logits():
+    cfg = TINY_CONFIGS["llama3_rope_scaling"]
+    params = random_params(cfg, seed=3)
+    ids = tokens(cfg)
+    looped = PagedRunner(cfg, params).run(ids, [SEQ_LEN], table(6))
+    runner = PagedRunner(cfg, params)
+    runner.forward = jax.jit(make_forward(cfg, jnp.float32, unroll_layers=True),
+                             donate_argnums=(1,))
+    np.testing.assert_allclose(runner.run(ids, [SEQ_LEN], table(6)), looped, atol=1e-5)

@@ -42,6 +42,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Schedule and launch step k+1 before step k's samples reach the host (hides host time).
     async_scheduling: bool = True
+    # Compile the layer stack unrolled rather than as a loop (longer compiles; see RESULTS.md,
+    # engine step anatomy: the looped forward's launch blocks the host on GPU).
+    unroll_layers: bool = False
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:

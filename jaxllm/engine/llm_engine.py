@@ -120,7 +120,8 @@ class LLMEngine:
             model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
             num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-            attention_backend=backend, bucket_table_width=backend == "reference")
+            attention_backend=backend, bucket_table_width=backend == "reference",
+            unroll_layers=config.unroll_layers)
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}

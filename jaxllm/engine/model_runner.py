@@ -80,7 +80,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, attention_backend: str = "auto",
-                 bucket_table_width: bool = True):
+                 bucket_table_width: bool = True, unroll_layers: bool = False):
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -95,7 +95,7 @@ class ModelRunner:
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        forward = make_forward(cfg, model.dtype, attention_backend)
+        forward = make_forward(cfg, model.dtype, attention_backend, unroll_layers)
         self.max_rows = self.buckets.batch_sizes[-1]
 
         def forward_after(params, kv_pool, batch, prev_tokens, prev_rows):

@@ -107,6 +107,9 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
+    # Unrolled layers compile into straight-line code instead of an XLA while loop (whose
+    # loop condition may be read back by the host on GPU); same params, same numbers.
+    unroll_layers: bool = False
 
     @nn.compact
     def __call__(self, kv_pool: KVPool, batch: BatchMetadata):
@@ -121,6 +124,7 @@ class LlamaForCausalLM(nn.Module):
             split_rngs={"params": True},
             in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
             length=cfg.num_hidden_layers,
+            unroll=cfg.num_hidden_layers if self.unroll_layers else 1,
         )(cfg, self.dtype, self.attention_backend, name="layers")
         (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
         hidden = hidden[batch.logits_indices]  # [N, H]: the LM head runs only where needed
@@ -137,9 +141,9 @@ ForwardFn = Callable[[Any, KVPool, BatchMetadata], tuple[jax.Array, KVPool]]
 
 
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
-                 attention_backend: str = "auto") -> ForwardFn:
+                 attention_backend: str = "auto", unroll_layers: bool = False) -> ForwardFn:
     """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
-    model = LlamaForCausalLM(config, dtype, attention_backend)
+    model = LlamaForCausalLM(config, dtype, attention_backend, unroll_layers)
 
     def forward(params, kv_pool: KVPool, batch: BatchMetadata):
         return model.apply({"params": params}, kv_pool, batch)
