@@ -16,6 +16,7 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
 from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.engine.sequence import SequenceStatus
 from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
 from jaxllm.generate import GenerateOutput, generate
 from jaxllm.llm import LLM
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine",
-    "RequestOutput", "SamplingParams",
+    "RequestOutput", "SamplingParams", "SequenceStatus",
     "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LoadedModel", "ModelConfig",
     "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError", "__version__",
     "default_model_path", "generate", "load_model", "make_forward", "pack_batch",

@@ -326,7 +326,7 @@ def test_misuse_raises():
 # ---- layering ------------------------------------------------------------------------------------
 
 
-def test_imports_without_jax():
+def test_block_manager_and_scheduler_import_without_jax():
     # jaxllm/__init__.py imports the model (and so jax): stub the packages to load only this one.
     script = textwrap.dedent(
         f"""
@@ -345,6 +345,12 @@ def test_imports_without_jax():
         from jaxllm.engine.block_manager import BlockManager
         bm = BlockManager(8, 4, num_cpu_blocks=2, enable_prefix_caching=True)
         assert bm.allocate_slots(1, range(9), 0, 9) == []
+        # The rest of the host-side engine is plain Python too.
+        from jaxllm.engine.config import SchedulerConfig
+        from jaxllm.engine.detokenizer import IncrementalDetokenizer
+        from jaxllm.engine.scheduler import Scheduler
+        from jaxllm.engine.sequence import SequenceGroup
+        Scheduler(SchedulerConfig(4, 16, 16), BlockManager(8, 4))
         assert not [m for m in sys.modules if m.split(".")[0] in ("jax", "jaxlib")]
         """
     )
