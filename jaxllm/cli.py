@@ -1,5 +1,5 @@
-"""The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply) and ``serve``
-(the OpenAI-compatible server, ``python -m serve``)."""
+"""The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply), ``serve``
+(the OpenAI-compatible server, ``python -m serve``) and ``bench`` (``python -m benchmarks``)."""
 
 from __future__ import annotations
 
@@ -97,7 +97,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False,
                    help="serve a model behind an OpenAI-compatible HTTP API (see "
                         "`jaxllm serve --help`)")
+    # Likewise: main() hands `jaxllm bench ...` to the benchmarks package.
+    sub.add_parser("bench", add_help=False,
+                   help="benchmarks: throughput, serve, latency (see `jaxllm bench --help`)")
     return parser
+
+
+def _bench(argv: list[str]) -> int:
+    """``jaxllm bench ...`` = ``python -m benchmarks ...``. Imported here, not at module
+    import: benchmarks sits above jaxllm (it imports jaxllm, never the reverse), and lives in
+    the source tree, not in the installed packages."""
+    try:
+        from benchmarks.__main__ import main as bench_main
+    except ImportError:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.__main__ import main as bench_main
+    return bench_main(argv, prog="jaxllm bench")
 
 
 def _serve(argv: list[str]) -> None:
@@ -110,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         _serve(argv[1:])
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -1,0 +1,177 @@
+"""``bench latency``: decode step time at several batch sizes vs the memory roofline.
+
+    python -m benchmarks latency --model llama-3-8b --load-format dummy --dtype bfloat16 \\
+        --batch-sizes 1,32,256 --context-len 1024
+
+What is timed: one decode step of the jitted model forward (the engine's
+``forward(params, kv_pool, batch) -> (logits, kv_pool)`` with the pool donated, as the engine's
+runner calls it) for B sequences that each hold ``--context-len`` tokens in the paged pool
+(blocks laid out contiguously per sequence) and add one token; greedy argmax on the logits is
+included. The pool holds zeros: attention reads the same bytes whatever they hold. Median of
+``--iters`` steps after warm-up, each synchronised with ``block_until_ready``. This is the
+device side of a step; the engine's host work per step is in ``benchmarks/engine_step.py``.
+
+Roofline (``../shared/reference/performance.md`` section 6): a decode step must read every
+weight once and every sequence's K and V once, so
+
+    bytes(B) = weight bytes + B * context * 2 * layers * kv_heads * head_dim * dtype bytes
+    roofline(B) = bytes(B) / bandwidth        reported: % of roofline = roofline(B) / measured
+
+``bandwidth`` is measured on this device as an elementwise copy (read + write bytes / time,
+``--copy-mib``), or given with ``--bandwidth-gbps``. With ``--peak-tflops`` the compute bound
+``B * 2 * (matmul params + 2 * layers * q_heads * head_dim * context) / peak`` is also shown
+and the roofline is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import numpy as np
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--load-format", default="auto",
+                        choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    parser.add_argument("--batch-sizes", default="1,32,256")
+    parser.add_argument("--context-len", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup-iters", type=int, default=3)
+    parser.add_argument("--bandwidth-gbps", type=float, default=None,
+                        help="device bandwidth in GB/s (default: measure a copy)")
+    parser.add_argument("--copy-mib", type=int, default=None,
+                        help="copy size for the bandwidth measurement (default 2048 on GPU, "
+                             "64 on CPU)")
+    parser.add_argument("--peak-tflops", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def measure_bandwidth_gbps(size_mib: int, iters: int = 10) -> float:
+    """Elementwise copy ``x + 1`` over ``size_mib`` MiB of float32: (read + write) / time."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.zeros(size_mib * 2**20 // 4, jnp.float32)
+    copy = jax.jit(lambda a: a + 1.0)
+    jax.block_until_ready(copy(x))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(copy(x))
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(times)) / 1e9
+
+
+def kv_bytes_per_token(cfg, itemsize: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
+               bandwidth_gbps: float, matmul_params: int = 0,
+               peak_tflops: float | None = None) -> float:
+    """Lower bound on one decode step's time (seconds)."""
+    t_mem = (weight_bytes + batch * context * kv_bytes_per_token(cfg, itemsize)) / (
+        bandwidth_gbps * 1e9)
+    if peak_tflops is None:
+        return t_mem
+    attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
+    t_comp = batch * 2 * (matmul_params + attn) / (peak_tflops * 1e12)
+    return max(t_mem, t_comp)
+
+
+def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
+                     backend: str = "auto", iters: int = 20, warmup: int = 3) -> float:
+    """Median seconds of one decode step (see the module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm import KVPool, SeqChunk, make_forward, pack_batch
+
+    cfg = model.config
+    blocks_per_seq = -(-(context + 1) // block_size)
+    pool = KVPool.zeros(cfg.num_hidden_layers, 1 + batch_size * blocks_per_seq, block_size,
+                        cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    chunks = [SeqChunk([100 + i % 50], context,
+                       list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
+              for i in range(batch_size)]
+    batch = jax.device_put(pack_batch(chunks, block_size))
+    forward = make_forward(cfg, model.dtype, backend)
+
+    def step(params, kv_pool, batch):
+        logits, kv_pool = forward(params, kv_pool, batch)
+        return jnp.argmax(logits, axis=-1), kv_pool
+
+    step = jax.jit(step, donate_argnums=(1,))
+    for _ in range(warmup):
+        tokens, pool = step(model.params, pool, batch)
+    jax.block_until_ready(tokens)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        tokens, pool = step(model.params, pool, batch)
+        jax.block_until_ready(tokens)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    from tqdm.auto import tqdm
+
+    import jaxllm
+
+    model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
+                              seed=args.seed)
+    cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
+    leaves = jax.tree.leaves(model.params)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    # Matmul params: everything but norms and the input embedding gather (tied: counted once).
+    matmul_params = sum(x.size for x in leaves if x.ndim == 2) - (
+        0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    on_gpu = jax.default_backend() != "cpu"
+    if args.bandwidth_gbps is not None:
+        bandwidth, how = args.bandwidth_gbps, "given"
+    else:
+        size = args.copy_mib or (2048 if on_gpu else 64)
+        bandwidth, how = measure_bandwidth_gbps(size), f"measured copy of {size} MiB"
+    print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
+          f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
+          f"{bandwidth:.1f} GB/s ({how})")
+    rows = []
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):
+        measured = time_decode_step(model, b, args.context_len, block_size=args.block_size,
+                                    backend=args.attention_backend, iters=args.iters,
+                                    warmup=args.warmup_iters)
+        bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
+                           matmul_params, args.peak_tflops)
+        rows.append({"batch_size": b, "context_len": args.context_len,
+                     "step_ms": 1e3 * measured, "roofline_ms": 1e3 * bound,
+                     "pct_of_roofline": 100 * bound / measured,
+                     "output_tokens_per_s": b / measured})
+    print(f"{'batch':>6}{'step ms':>10}{'roofline ms':>13}{'% roofline':>12}{'tok/s':>11}")
+    for r in rows:
+        print(f"{r['batch_size']:>6}{r['step_ms']:>10.3f}{r['roofline_ms']:>13.3f}"
+              f"{r['pct_of_roofline']:>11.1f}%{r['output_tokens_per_s']:>11.1f}")
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "model": model.name, "dtype": model.dtype.name,
+              "device": jax.devices()[0].device_kind, "weight_bytes": int(weight_bytes),
+              "bandwidth_gbps": bandwidth, "bandwidth_source": how,
+              "peak_tflops": args.peak_tflops, "rows": rows,
+              "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

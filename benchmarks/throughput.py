@@ -1,0 +1,342 @@
+"""``bench throughput``: offline generation throughput, several backends on identical prompts.
+
+    python -m benchmarks throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \\
+        --dataset-name sharegpt-like --num-prompts 1000 --backend jaxllm,hf,jax-static
+
+Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as vLLM's
+``benchmark_throughput.py``; compilation / warm-up happens before the clock starts):
+
+- ``jaxllm``: :class:`~jaxllm.LLMEngine` (paged KV cache, continuous batching) with the engine
+  flags given here; KV waste from ``EngineStats`` (1 - kv_slots_used / kv_slots_reserved, i.e.
+  the share of slots in running sequences' blocks holding no token, averaged over steps).
+- ``jax-static``: :func:`jaxllm.generate` on static batches of ``--max-num-seqs`` prompts in the
+  given order: one jitted prefill + decode loop per batch over a private pool in which each row
+  owns a contiguous run of ``width + new`` slots (a contiguous per-sequence cache); prompt width
+  rounded up to 128 and output length to 16 (fewer compiled shapes), short batches padded with
+  dummy rows. Every row decodes the batch's longest output. KV waste is computed from that
+  layout: at each decode step, reserved = rows x (width + new) slots, used = for each real
+  request its prompt plus the part of its requested output produced so far.
+- ``hf``: transformers ``generate()`` in a child interpreter (:mod:`benchmarks.hf_backend`).
+
+With several backends, each runs in its own child process (clean device memory and peak
+counters), and the parent prints them side by side and writes one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.datasets import Request, add_dataset_args, sample_requests
+
+BACKENDS = ("jaxllm", "hf", "jax-static")
+_HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                   "Qwen2ForCausalLM": "qwen2"}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="jaxllm",
+                        help=f"one or a comma-separated list of {', '.join(BACKENDS)}")
+    m = parser.add_argument_group("model")
+    m.add_argument("--model", default=None, help="a preset (jaxllm.presets, with --load-format "
+                   "dummy), HF directory, config.json (dummy) or .gguf; default: embedded SmolLM2")
+    m.add_argument("--load-format", default="auto",
+                   choices=["auto", "safetensors", "gguf", "dummy"])
+    m.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    e = parser.add_argument_group("engine (jaxllm; --max-num-seqs is also jax-static's batch)")
+    e.add_argument("--max-num-seqs", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--enable-prefix-caching", action="store_true")
+    h = parser.add_argument_group("hf")
+    h.add_argument("--hf-python", default=sys.executable,
+                   help="interpreter with torch + transformers (default: this one)")
+    h.add_argument("--hf-max-batch-size", type=int, default=None,
+                   help="static batch size (default: --max-num-seqs, else 256)")
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--plot", action="store_true", help="bar chart of output tokens/s (next "
+                        "to --output-json, else in benchmarks/results/)")
+    parser.add_argument("--no-progress", action="store_true")
+    add_dataset_args(parser)
+
+
+def model_config(args):
+    """The ModelConfig, without loading weights (the hf backend needs only the shape)."""
+    from jaxllm.config import ModelConfig
+    from jaxllm.presets import PRESETS
+
+    if args.model in PRESETS and args.load_format == "dummy":
+        return PRESETS[args.model]
+    path = args.model or ""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not path.endswith(".json") or not os.path.isfile(path):
+        raise ValueError("the hf backend needs --model as a preset name (with --load-format "
+                         "dummy), a Hugging Face directory or a config.json")
+    with open(path) as f:
+        return ModelConfig.from_hf_config(json.load(f))
+
+
+def hf_config_dict(cfg) -> dict:
+    """A transformers config of the same shape (random weights are drawn from it)."""
+    out = dict(model_type=_HF_MODEL_TYPES[cfg.architecture], architectures=[cfg.architecture],
+               vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+               intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_hidden_layers,
+               num_attention_heads=cfg.num_attention_heads,
+               num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+               rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+               max_position_embeddings=cfg.max_position_embeddings,
+               tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=cfg.bos_token_id,
+               eos_token_id=list(cfg.eos_token_ids))
+    if cfg.architecture == "LlamaForCausalLM":
+        out["attention_bias"] = cfg.attention_bias
+    if cfg.sliding_window is not None:
+        out["sliding_window"] = cfg.sliding_window
+    return out
+
+
+def _peak_memory() -> tuple[int | None, str]:
+    import jax
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return int(stats["peak_bytes_in_use"]), "jax peak_bytes_in_use"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+
+
+def run_jaxllm(model, requests: list[Request], args) -> dict:
+    from tqdm.auto import tqdm
+
+    from jaxllm import EngineConfig, LLMEngine, SamplingParams
+
+    config = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        disable_log_stats=True)
+    engine = LLMEngine(config, model=model, progress=not args.no_progress)
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids), params=SamplingParams(
+            n=args.n, temperature=1.0, max_tokens=r.output_len, ignore_eos=True, seed=i))
+    produced = 0
+    with tqdm(total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    produced += sum(len(c.token_ids) for c in out.outputs)
+                    bar.update(1)
+    elapsed = time.perf_counter() - start
+    s = engine.stats
+    return {"elapsed_s": elapsed, "generated_tokens": produced, "steps": s.num_steps,
+            "kv_waste": 1 - s.kv_slots_used / max(1, s.kv_slots_reserved),
+            "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
+            "warm_up_s": getattr(engine, "warm_up_seconds", None),
+            "engine_config": {k: v for k, v in vars(engine.config).items()
+                              if isinstance(v, (int, float, str, bool, type(None)))}}
+
+
+def static_batches(requests: list[Request], batch_size: int, n: int = 1):
+    """(rows, width, new) per static batch; rows = the requests (each repeated n times)."""
+    rows = [r for r in requests for _ in range(n)]
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        width = -(-max(r.prompt_len for r in chunk) // 128) * 128
+        new = -(-max(r.output_len for r in chunk) // 16) * 16
+        yield chunk, width, new
+
+
+def static_kv_waste(batches, batch_size: int) -> float:
+    """Share of reserved contiguous KV slots holding no useful token, summed over decode steps."""
+    reserved = used = 0
+    for chunk, width, new in batches:
+        steps = np.arange(1, new + 1)  # tokens generated after each decode step
+        reserved += batch_size * (width + new) * new
+        for r in chunk:
+            used += int((r.prompt_len + np.minimum(steps, r.output_len)).sum())
+    return 1 - used / max(1, reserved)
+
+
+def run_jax_static(model, requests: list[Request], args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    import jaxllm
+
+    batch_size = args.max_num_seqs or 256
+    batches = list(static_batches(requests, batch_size, args.n))
+    arrays = []
+    for chunk, width, new in batches:
+        ids = np.zeros((batch_size, width), np.int32)
+        lens = np.ones(batch_size, np.int32)
+        for i, r in enumerate(chunk):
+            ids[i, :r.prompt_len] = r.prompt_ids
+            lens[i] = r.prompt_len
+        arrays.append((jnp.asarray(ids), jnp.asarray(lens), new))
+
+    def call(ids, lens, new, key):
+        return jaxllm.generate(model.params, ids, lens, key, config=model.config,
+                               max_new_tokens=new, temperature=1.0,
+                               block_size=args.block_size).tokens
+
+    compile_start = time.perf_counter()
+    for shape in sorted({(a[0].shape, a[2]) for a in arrays}):  # compile before timing
+        ids, lens, new = next(a for a in arrays if (a[0].shape, a[2]) == shape)
+        jax.block_until_ready(call(ids, lens, new, jax.random.key(0)))
+    compile_s = time.perf_counter() - compile_start
+    start = time.perf_counter()
+    for i, (ids, lens, new) in enumerate(tqdm(arrays, desc="jax-static", unit="batch",
+                                               disable=args.no_progress)):
+        jax.block_until_ready(call(ids, lens, new, jax.random.key(i)))
+    elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "generated_tokens": sum(r.output_len for r in requests)
+            * args.n, "num_batches": len(batches), "batch_size": batch_size,
+            "warm_up_s": compile_s, "kv_waste": static_kv_waste(batches, batch_size)}
+
+
+def run_one(backend: str, args) -> dict:
+    """Runs one backend in this process and returns its result dict."""
+    if backend == "hf":
+        from benchmarks.hf_backend import run_hf
+
+        cfg = model_config(args)
+        requests = _requests(args, cfg)
+        real = args.load_format != "dummy" and args.model is not None \
+            and os.path.isdir(args.model)
+        extra = run_hf(requests, hf_python=args.hf_python, model=args.model if real else None,
+                       hf_config=None if real else hf_config_dict(cfg), dtype=args.dtype,
+                       batch_size=args.hf_max_batch_size or args.max_num_seqs or 256,
+                       n=args.n, seed=args.seed, progress=not args.no_progress)
+        extra["generated_tokens"] = sum(r.output_len for r in requests) * args.n
+        extra["kv_waste"] = None  # the HF dynamic cache grows by concatenation
+        name = args.model
+    else:
+        import jax
+
+        import jaxllm
+
+        model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
+                                  seed=args.seed)
+        requests = _requests(args, model.config)
+        run = run_jaxllm if backend == "jaxllm" else run_jax_static
+        extra = run(model, requests, args)
+        extra["peak_memory_bytes"], extra["peak_memory_kind"] = _peak_memory()
+        extra["device"] = jax.devices()[0].device_kind
+        name = model.name
+    elapsed = extra.pop("elapsed_s")
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    output_tokens = sum(r.output_len for r in requests) * args.n
+    return {"backend": backend, "model": name, "elapsed_time": elapsed,
+            "num_requests": len(requests), "total_prompt_tokens": prompt_tokens,
+            "total_output_tokens": output_tokens,
+            "requests_per_second": len(requests) / elapsed,
+            "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
+            "output_tokens_per_second": output_tokens / elapsed, **extra}
+
+
+def _requests(args, cfg) -> list[Request]:
+    return sample_requests(args.dataset_name, args.num_prompts, cfg.vocab_size, seed=args.seed,
+                           input_len=args.input_len, output_len=args.output_len,
+                           range_ratio=args.range_ratio,
+                           max_model_len=args.max_model_len or cfg.max_position_embeddings)
+
+
+def _child_argv(argv: list[str], backend: str, out: str) -> list[str]:
+    """``argv`` with --backend / --output-json / --plot replaced for one child run."""
+    keep, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--backend", "--output-json"):
+            skip = True
+            continue
+        if a.startswith(("--backend=", "--output-json=")) or a == "--plot":
+            continue
+        keep.append(a)
+    return [*keep, "--backend", backend, "--output-json", out]
+
+
+def _print(result: dict) -> None:
+    peak = result.get("peak_memory_bytes")
+    waste = result.get("kv_waste")
+    print(f"[{result['backend']}] Throughput: {result['requests_per_second']:.2f} requests/s, "
+          f"{result['tokens_per_second']:.2f} total tokens/s, "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s; peak memory "
+          f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'} "
+          f"({result.get('peak_memory_kind', '')}); KV waste "
+          f"{'n/a' if waste is None else f'{waste:.1%}'}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise ValueError(f"--backend {b!r} must be one of {BACKENDS}")
+    if len(backends) == 1:
+        results = {backends[0]: run_one(backends[0], args)}
+    else:
+        results = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for b in backends:
+                out = os.path.join(tmp, f"{b}.json")
+                cmd = [sys.executable, "-m", "benchmarks", "throughput",
+                       *_child_argv(args.argv, b, out)]
+                subprocess.run(cmd, check=True, cwd=_repo_root())
+                with open(out) as f:
+                    results[b] = json.load(f)["results"][b]
+    if len(backends) > 1:
+        print("=" * 30, "side by side", "=" * 30)
+    for r in results.values():
+        _print(r)
+    if len(backends) > 1 and "hf" in results:
+        for b in results:
+            if b != "hf":
+                ratio = results[b]["output_tokens_per_second"] / results["hf"][
+                    "output_tokens_per_second"]
+                print(f"{b} / hf output tokens/s: {ratio:.2f}x")
+    summary = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True, cwd=_repo_root()).stdout.strip(),
+        "host": f"{platform.machine()}, {os.cpu_count()} cores",
+        "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")},
+        "results": results}
+    if args.output_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
+        with open(args.output_json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        from benchmarks.plots import plot_bars
+
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = (os.path.splitext(args.output_json)[0] + ".png" if args.output_json else
+                os.path.join("benchmarks", "results",
+                             f"throughput_{args.dataset_name}_{stamp}.png"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        plot_bars(results, "output_tokens_per_second", path,
+                  f"{args.model or 'SmolLM2'}, {args.dataset_name}, {args.num_prompts} prompts")
+        print(f"plot: {path}")
+    return summary
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,0 +1,172 @@
+"""``bench throughput / latency / serve`` end to end on CPU at tiny sizes: a tiny dummy model
+(a config.json with random weights), the shipped SmolLM2, and a live ``python -m serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks.__main__ import main as bench_main
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REF_PYTHON = "/work/refvenv/bin/python"  # Python 3.11 with torch (CPU) + transformers
+TINY_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+def _has_torch(python: str) -> bool:
+    return os.path.exists(python) and subprocess.run(
+        [python, "-c", "import torch, transformers"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY_HF_CONFIG))
+    return str(path)
+
+
+def _tiny_args(config: str) -> list[str]:
+    return ["--model", config, "--load-format", "dummy", "--dtype", "float32", "--no-progress"]
+
+
+@pytest.mark.parametrize("backend", ["jaxllm", "jax-static"])
+def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, capsys):
+    out = tmp_path / "tp.json"
+    rc = bench_main(["throughput", "--backend", backend, *_tiny_args(tiny_config),
+                     "--dataset-name", "random", "--num-prompts", "6", "--input-len", "20",
+                     "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",
+                     "--max-num-batched-tokens", "64", "--max-model-len", "256",
+                     "--enforce-eager", "--n", "2", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())["results"][backend]
+    assert r["num_requests"] == 6 and r["generated_tokens"] == r["total_output_tokens"]
+    assert r["output_tokens_per_second"] > 0 and r["peak_memory_bytes"] > 0
+    assert 0 <= r["kv_waste"] < 1
+    assert f"[{backend}] Throughput:" in capsys.readouterr().out
+
+
+def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
+    """One run, several backends, each in its own process; hf through the reference venv."""
+    backends = "jaxllm,hf" if _has_torch(REF_PYTHON) else "jaxllm,jax-static"
+    out = tmp_path / "side.json"
+    cmd = [sys.executable, "-m", "benchmarks", "throughput", "--backend", backends,
+           *_tiny_args(tiny_config), "--hf-python", REF_PYTHON, "--dataset-name",
+           "sharegpt-like", "--num-prompts", "8", "--max-num-seqs", "4",
+           "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--enforce-eager",
+           "--output-json", str(out), "--plot"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == backends.split(",")
+    tokens = {r["total_output_tokens"] for r in results.values()}
+    prompts = {r["total_prompt_tokens"] for r in results.values()}
+    assert len(tokens) == 1 and len(prompts) == 1  # identical inputs for every backend
+    assert "side by side" in proc.stdout
+    assert (tmp_path / "side.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_throughput_on_smollm2(tmp_path):
+    out = tmp_path / "smol.json"
+    assert bench_main(["throughput", "--backend", "jaxllm", "--num-prompts", "4",
+                       "--input-len", "16", "--output-len", "4", "--max-num-seqs", "4",
+                       "--max-num-batched-tokens", "64", "--max-model-len", "128",
+                       "--enforce-eager", "--no-progress", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"]["jaxllm"]
+    assert r["model"] == "SmolLM2-135M-Instruct" and r["total_output_tokens"] == 16
+
+
+def test_latency_reports_percent_of_roofline(tiny_config, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    assert bench_main(["latency", *_tiny_args(tiny_config), "--batch-sizes", "1,3",
+                       "--context-len", "40", "--iters", "3", "--warmup-iters", "1",
+                       "--bandwidth-gbps", "10", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [row["batch_size"] for row in r["rows"]] == [1, 3]
+    assert r["bandwidth_source"] == "given" and r["bandwidth_gbps"] == 10
+    for row in r["rows"]:
+        assert row["step_ms"] > 0
+        assert row["pct_of_roofline"] == pytest.approx(
+            100 * row["roofline_ms"] / row["step_ms"])
+    assert "% roofline" in capsys.readouterr().out
+
+
+def test_latency_measures_bandwidth_via_the_jaxllm_cli(tiny_config, tmp_path):
+    from jaxllm.cli import main as jaxllm_main
+
+    out = tmp_path / "lat.json"
+    assert jaxllm_main(["bench", "latency", *_tiny_args(tiny_config), "--batch-sizes", "2",
+                        "--context-len", "16", "--iters", "2", "--copy-mib", "8",
+                        "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bandwidth_source"].startswith("measured") and r["bandwidth_gbps"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_config, tmp_path_factory):
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
+    cmd = [sys.executable, "-m", "serve", "--model", tiny_config, "--load-format", "dummy",
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+           "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
+           "--disable-log-requests", "--disable-log-stats"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            time.sleep(0.2)
+    try:
+        assert proc.poll() is None, log.read()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        log.close()
+
+
+@pytest.mark.parametrize("rate", ["inf", "30"])
+def test_serve_against_a_live_server(tiny_server, tmp_path, rate, capsys):
+    assert bench_main(["serve", "--base-url", tiny_server, "--vocab-size", "512",
+                       "--dataset-name", "random", "--num-prompts", "12", "--input-len", "24",
+                       "--output-len", "6", "--range-ratio", "0.5", "--request-rate", rate,
+                       "--burstiness", "0.5", "--max-concurrency", "6", "--no-progress",
+                       "--save-result", "--result-dir", str(tmp_path),
+                       "--result-filename", "serve.json", "--plot"]) == 0
+    r = json.loads((tmp_path / "serve.json").read_text())
+    assert r["completed"] == 12 and r["failed"] == 0 and not any(r["errors"])
+    assert r["total_output_tokens"] == sum(r["output_lens"])
+    assert r["total_input_tokens"] == sum(r["input_lens"])
+    # Every token arrives in its own chunk: ITL gaps = output tokens - 1 per request.
+    assert [len(g) for g in r["itls"]] == [n - 1 for n in r["output_lens"]]
+    assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] >= r["median_itl_ms"] > 0
+    # Scraped from /metrics every 0.5 s, so a sub-second run may only see an idle server.
+    assert 0 <= r["peak_kv_cache_usage_perc"] <= 1 and r["num_preemptions"] == 0
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "Successful requests:" in capsys.readouterr().out
