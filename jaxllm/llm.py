@@ -33,6 +33,7 @@ class LLM:
             self.engine = LLMEngine(EngineConfig(**engine_args), model=model, progress=progress)
         else:
             self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+        self.engine.stream_outputs = False  # generate() only collects finished requests
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -30,6 +30,7 @@ class EngineDeadError(RuntimeError):
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait: float = 0.05):
         self.engine = engine
+        engine.stream_outputs = True  # every step's partial outputs feed the streams
         self._idle_wait = idle_wait
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -129,6 +129,8 @@ class LLMEngine:
         self._pending_text: list[tuple[Sequence, SequenceGroup, int, bool]] = []
         self._inflight: _InFlight | None = None
         self._num_penalty_requests = 0
+        # False: step() returns only finished requests (offline use; saves host time).
+        self.stream_outputs = True
         self.stats = EngineStats()
         self.warm_up_seconds = 0.0
         if not config.enforce_eager:
@@ -319,7 +321,7 @@ class LLMEngine:
             if seq.status.is_finished and detok.stop_str is None:
                 detok.flush()  # release text held back for a possible stop string
         outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
-                   for g in touched.values() if not g.is_finished]
+                   for g in touched.values() if self.stream_outputs and not g.is_finished]
         outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
         return outputs
 

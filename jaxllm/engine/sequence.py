@@ -28,11 +28,14 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in _FINISHED  # a set lookup: this runs for every sequence every step
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.is_finished else None
+
+
+_FINISHED = frozenset(s for s in SequenceStatus if s.name.startswith("FINISHED"))
 
 
 class Sequence:
