@@ -207,3 +207,17 @@ def test_bad_requests_are_refused_with_clear_errors(model):
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("e", prompt_token_ids=[1, 2])
     assert engine.get_num_unfinished_requests() == 1
+
+
+@pytest.mark.slow
+def test_engine_through_the_interpreted_pallas_kernels(model):
+    """The engine's GPU path (Pallas decode and prefill kernels, fixed table width, decode
+    flag) run by the Pallas interpreter on CPU: same tokens as the reference path."""
+    prompts, max_tokens = workload(5, seed=6)
+    max_tokens = [min(m, 6) for m in max_tokens]
+    engine = make_engine(model, attention_backend="pallas_interpret", max_model_len=96)
+    assert engine.runner.buckets.table_widths == (96 // BLOCK,)
+    outputs = run_all(engine, prompts, max_tokens)
+    for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
+        assert out.outputs[0].token_ids == reference(tuple(prompt), m)
+    assert_no_leak(engine)
