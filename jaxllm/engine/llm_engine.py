@@ -235,7 +235,6 @@ class LLMEngine:
             self._inflight = None
         return outputs
 
-
     def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
         """Waits for a launched step, records its tokens, and emits outputs."""
         out, pending, positions = inflight
