@@ -50,26 +50,20 @@ class StepResult:
     top_ids: np.ndarray  # i32[R, num_logprobs]
     top_logprobs: np.ndarray  # f32[R, num_logprobs]
     shape: StepShape
-    host_seconds: float  # packing + dispatch on the host
-    device_seconds: float  # waiting for the device after dispatch
 
 
 class PendingStep:
     """A launched step; ``wait()`` blocks until its samples are on the host."""
 
-    def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape,
-                 host_seconds: float):
+    def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape):
         self._result = result
         self.tokens = tokens  # i32[max rows] sampled ids on the device, for the next step
         self.shape = shape
-        self.host_seconds = host_seconds
 
     def wait(self) -> StepResult:
-        start = time.perf_counter()
         host: SamplerOutput = jax.device_get(self._result)
         return StepResult(np.asarray(host.sampled), np.asarray(host.logprob),
-                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape,
-                          self.host_seconds, time.perf_counter() - start)
+                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape)
 
 
 def _pad_to_power_of_two(n: int) -> int:
@@ -181,16 +175,11 @@ class ModelRunner:
             decode_only=shape.is_decode)
 
     # --------------------------------------------------------------------- step
-    def execute(self, out: SchedulerOutput, rows: Sequence[SampleRow]) -> StepResult:
-        """Runs one scheduled step and waits for it."""
-        return self.dispatch(out, rows).wait()
-
     def dispatch(self, out: SchedulerOutput, rows: Sequence[SampleRow],
                  prev: PendingStep | None = None) -> PendingStep:
         """Packs and launches one step without waiting for the device (JAX dispatch is
         asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens
         (``Sequence.pending``) are taken from ``prev``'s samples on the device."""
-        start = time.perf_counter()
         self._apply_block_moves(out)
         batch, shape, prev_rows = self.pack(out)
         if prev_rows is not None and prev is None:
@@ -210,7 +199,7 @@ class ModelRunner:
         exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
         result, tokens = exe(logits, md)
         self.num_steps += 1
-        return PendingStep(result, tokens, shape, time.perf_counter() - start)
+        return PendingStep(result, tokens, shape)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
         """Flattens the scheduled chunks into padded numpy arrays (one transfer per field).
