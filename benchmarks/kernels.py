@@ -307,6 +307,7 @@ def bench_prefill(chunk: int, cached: int, impls: dict) -> dict:
 
 
 def main() -> int:
+    global PLAN
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--smoke", action="store_true",
@@ -315,12 +316,21 @@ def main() -> int:
     parser.add_argument("--no-jax", action="store_true", help="skip JAX's own Triton kernel")
     parser.add_argument("--no-prefill-sweep", action="store_true")
     parser.add_argument("--no-prefill-reference", action="store_true")
+    parser.add_argument("--no-prefill", action="store_true", help="decode only")
+    parser.add_argument("--heads", default=None,
+                        help=f"comma-separated subset of the decode head shapes {PLAN.heads}")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="past this, skip the remaining sweeps and comparisons")
     args = parser.parse_args()
-    global PLAN
     if args.smoke:
         PLAN = SMOKE
+    if args.heads:
+        unknown = set(args.heads.split(",")) - set(PLAN.heads)
+        if unknown:
+            parser.error(f"--heads: unknown {sorted(unknown)}; choose from {PLAN.heads}")
+        PLAN = dataclasses.replace(PLAN, heads=tuple(args.heads.split(",")))
+    if args.no_prefill:
+        PLAN = dataclasses.replace(PLAN, prefill_points=())
     start = time.time()
     results: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
 
@@ -357,7 +367,7 @@ def main() -> int:
     results["prefill"] = []
     default = {"pallas": PrefillConfig()}
     best = "" if args.no_prefill_sweep else None
-    first_chunk = PLAN.prefill_points[0][0]
+    first_chunk = PLAN.prefill_points[0][0] if PLAN.prefill_points else 0
     for chunk, cached in PLAN.prefill_points:
         if best is None and (chunk != first_chunk or time.time() > start + args.budget_s):
             rows = [r for r in results["prefill"] if r["chunk"] == first_chunk]

@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the layer stack unrolled (default: the engine's choice "
+                        "for this backend)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -91,8 +94,10 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 
 
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
-                     backend: str = "auto", iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds of one decode step (see the module docstring)."""
+                     backend: str = "auto", iters: int = 20, warmup: int = 3,
+                     unroll_layers: bool | None = None) -> tuple[float, float]:
+    """Median seconds of one decode step, and of its launch alone (the call returning before
+    the result is ready: a launch as long as the step means the host is blocked)."""
     import jax
     import jax.numpy as jnp
 
@@ -106,7 +111,7 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
     batch = jax.device_put(pack_batch(chunks, block_size))
-    forward = make_forward(cfg, model.dtype, backend)
+    forward = make_forward(cfg, model.dtype, backend, unroll_layers)
 
     def step(params, kv_pool, batch):
         logits, kv_pool = forward(params, kv_pool, batch)
@@ -116,13 +121,14 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     for _ in range(warmup):
         tokens, pool = step(model.params, pool, batch)
     jax.block_until_ready(tokens)
-    times = []
+    times, launches = [], []
     for _ in range(iters):
         t = time.perf_counter()
         tokens, pool = step(model.params, pool, batch)
+        launches.append(time.perf_counter() - t)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return float(np.median(times)), float(np.median(launches))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -148,27 +154,35 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
+    from jaxllm.models.llama import default_unroll_layers
+
+    unroll = (default_unroll_layers() if args.unroll_layers is None else args.unroll_layers)
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):
-        measured = time_decode_step(model, b, args.context_len, block_size=args.block_size,
-                                    backend=args.attention_backend, iters=args.iters,
-                                    warmup=args.warmup_iters)
+        measured, launch = time_decode_step(
+            model, b, args.context_len, block_size=args.block_size,
+            backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
+            unroll_layers=unroll)
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
                            matmul_params, args.peak_tflops)
         rows.append({"batch_size": b, "context_len": args.context_len,
-                     "step_ms": 1e3 * measured, "roofline_ms": 1e3 * bound,
+                     "step_ms": 1e3 * measured, "launch_ms": 1e3 * launch,
+                     "roofline_ms": 1e3 * bound,
                      "pct_of_roofline": 100 * bound / measured,
                      "output_tokens_per_s": b / measured})
-    print(f"{'batch':>6}{'step ms':>10}{'roofline ms':>13}{'% roofline':>12}{'tok/s':>11}")
+    print(f"layers {'unrolled' if unroll else 'scanned'}")
+    print(f"{'batch':>6}{'step ms':>10}{'launch ms':>11}{'roofline ms':>13}{'% roofline':>12}"
+          f"{'tok/s':>11}")
     for r in rows:
-        print(f"{r['batch_size']:>6}{r['step_ms']:>10.3f}{r['roofline_ms']:>13.3f}"
-              f"{r['pct_of_roofline']:>11.1f}%{r['output_tokens_per_s']:>11.1f}")
+        print(f"{r['batch_size']:>6}{r['step_ms']:>10.3f}{r['launch_ms']:>11.3f}"
+              f"{r['roofline_ms']:>13.3f}{r['pct_of_roofline']:>11.1f}%"
+              f"{r['output_tokens_per_s']:>11.1f}")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "model": model.name, "dtype": model.dtype.name,
               "device": jax.devices()[0].device_kind, "weight_bytes": int(weight_bytes),
               "bandwidth_gbps": bandwidth, "bandwidth_source": how,
-              "peak_tflops": args.peak_tflops, "rows": rows,
+              "peak_tflops": args.peak_tflops, "unroll_layers": unroll, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)

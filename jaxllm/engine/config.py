@@ -43,8 +43,9 @@ class EngineConfig:
     # Schedule and launch step k+1 before step k's samples reach the host (hides host time).
     async_scheduling: bool = True
     # Compile the layer stack unrolled rather than as a loop (longer compiles; see RESULTS.md,
-    # engine step anatomy: the looped forward's launch blocks the host on GPU).
-    unroll_layers: bool = False
+    # engine step anatomy: the looped forward's launch blocks the host on GPU). None: unrolled
+    # on accelerators, looped on CPU.
+    unroll_layers: bool | None = None
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One stage of the H200 measurements, each bounded by its own timeout, logs under $OUT.
+# Usage (repo root, GPU machine): OUT=/dir bash benchmarks/h200_stage.sh STAGE [SECONDS] [ARGS...]
+# Stages:
+#   env               device, driver, versions
+#   latency MODEL     decode step at batch 1/32/256, ctx 1k, layers scanned and unrolled
+#   kernel-tests      pytest -m gpu over the kernel test classes (ARGS: extra pytest args)
+#   kernels           benchmarks/kernels.py (ARGS: its flags)
+#   engine-step MODEL benchmarks/engine_step.py, async, default backend (ARGS: its flags)
+#   throughput MODEL  python -m benchmarks throughput (ARGS: its flags; --model is set)
+set -o pipefail
+STAGE=$1; LIMIT=${2:-300}; shift 2 || shift $#
+OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
+PY=${PYTHON:-python3}
+log() { echo "== $STAGE $* ($(date -u +%H:%M:%S))"; }
+t0=$(date +%s)
+case $STAGE in
+  env)
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+    $PY -c 'import jax, jaxlib, flax, torch, transformers; print("jax", jax.__version__,
+      "flax", flax.__version__, "torch", torch.__version__, "transformers",
+      transformers.__version__, jax.devices())'
+    git rev-parse --short HEAD; git status --short | head -20 ;;
+  latency)
+    MODEL=$1; shift
+    for unroll in --no-unroll-layers --unroll-layers; do
+      log "$MODEL $unroll"
+      timeout "$LIMIT" $PY -m benchmarks latency --model "$MODEL" --load-format dummy \
+        --dtype bfloat16 --batch-sizes 1,32,256 --context-len 1024 $unroll --no-progress \
+        --output-json "$OUT/latency_${MODEL}${unroll#--}.json" "$@" 2>&1 \
+        | grep -v "^WARNING\|^I0000" | tail -8
+    done ;;
+  kernel-tests)
+    timeout "$LIMIT" $PY -m pytest tests/test_paged_attention_kernels.py -m gpu \
+      -p no:cacheprovider -W ignore::DeprecationWarning -rA "$@" > "$OUT/pytest_gpu.log" 2>&1
+    echo "pytest rc=$?"
+    grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -40 ;;
+  kernels)
+    timeout "$LIMIT" $PY benchmarks/kernels.py --out "$OUT/kernels.json" "$@" \
+      > "$OUT/kernels.log" 2>&1
+    echo "kernels rc=$?"
+    grep -v "^  sweep\|^  prefill\|^decode {" "$OUT/kernels.log" | tail -30 ;;
+  engine-step)
+    MODEL=$1; shift
+    timeout "$LIMIT" $PY -m benchmarks.engine_step --model "$MODEL" --load-format dummy \
+      --dtype bfloat16 --output-json "$OUT/engine_step_${MODEL}.json" "$@" 2>&1 | tail -3 ;;
+  throughput)
+    MODEL=$1; shift
+    timeout "$LIMIT" $PY -m benchmarks throughput --model "$MODEL" --load-format dummy \
+      --dtype bfloat16 --no-progress "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -25 ;;
+  *) echo "unknown stage $STAGE"; exit 2 ;;
+esac
+echo "== $STAGE done in $(( $(date +%s) - t0 )) s"
