@@ -8,6 +8,9 @@
 #   kernels           benchmarks/kernels.py (ARGS: its flags)
 #   engine-step MODEL benchmarks/engine_step.py, async, default backend (ARGS: its flags)
 #   throughput MODEL  python -m benchmarks throughput (ARGS: its flags; --model is set)
+#   serve MODEL RATES python -m serve in the background, bench serve at each rate (ARGS: server
+#                     flags), then SIGTERM
+#   cache-save / cache-load TAR   carry the engine's XLA compilation cache between calls
 set -o pipefail
 STAGE=$1; LIMIT=${2:-300}; shift 2 || shift $#
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
@@ -50,6 +53,29 @@ case $STAGE in
     MODEL=$1; shift
     timeout "$LIMIT" $PY -m benchmarks throughput --model "$MODEL" --load-format dummy \
       --dtype bfloat16 --no-progress "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -25 ;;
+  serve)  # MODEL RATES [server flags...]: one server, bench serve at each comma-separated rate
+    MODEL=$1; RATES=$2; shift 2
+    $PY -m serve --model "$MODEL" --load-format dummy --dtype bfloat16 --port 8000 \
+      --disable-log-requests "$@" > "$OUT/server_${MODEL}.log" 2>&1 &
+    server=$!
+    until curl -sf localhost:8000/health > /dev/null; do
+      sleep 2
+      if ! kill -0 $server 2>/dev/null || (( $(date +%s) - t0 > LIMIT )); then
+        echo "server not up"; tail -5 "$OUT/server_${MODEL}.log"; kill $server; exit 1; fi
+    done
+    log "server up after $(( $(date +%s) - t0 )) s"
+    for rate in ${RATES//,/ }; do
+      timeout $(( LIMIT - ($(date +%s) - t0) )) $PY -m benchmarks serve --base-url \
+        http://127.0.0.1:8000 --dataset-name sharegpt-like --num-prompts "${NUM_PROMPTS:-1000}" \
+        --request-rate "$rate" --save-result --result-dir "$OUT" --no-progress \
+        --result-filename "serve_${MODEL}_rate${rate}.json" 2>&1 | grep -v "^WARNING" | tail -32
+    done
+    kill -TERM $server; wait $server
+    grep -i "error\|traceback" "$OUT/server_${MODEL}.log" | head -5 ;;
+  cache-save)  # the engine's XLA cache into one file under $OUT (carry it to the next call)
+    tar -C ~/.cache/jaxllm -cf "$OUT/xla_cache.tar" xla && ls -la "$OUT/xla_cache.tar" ;;
+  cache-load)  # ARG: a tar from cache-save
+    mkdir -p ~/.cache/jaxllm && tar -C ~/.cache/jaxllm -xf "$1" && du -sh ~/.cache/jaxllm/xla ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 echo "== $STAGE done in $(( $(date +%s) - t0 )) s"

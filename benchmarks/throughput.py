@@ -11,11 +11,12 @@ Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as
   the share of slots in running sequences' blocks holding no token, averaged over steps).
 - ``jax-static``: :func:`jaxllm.generate` on static batches of ``--max-num-seqs`` prompts in the
   given order: one jitted prefill + decode loop per batch over a private pool in which each row
-  owns a contiguous run of ``width + new`` slots (a contiguous per-sequence cache); prompt width
-  rounded up to 128 and output length to 16 (fewer compiled shapes), short batches padded with
-  dummy rows. Every row decodes the batch's longest output. KV waste is computed from that
-  layout: at each decode step, reserved = rows x (width + new) slots, used = for each real
-  request its prompt plus the part of its requested output produced so far.
+  owns a contiguous run of ``width + capacity`` slots (a contiguous per-sequence cache); one
+  compiled shape for all batches: width = the longest prompt rounded up to 128, capacity = the
+  longest output rounded up to 16; short batches padded with dummy rows. Every row decodes the
+  batch's longest output (``row_max_new_tokens``). KV waste is computed from that layout: at
+  each decode step, reserved = rows x (width + capacity) slots, used = for each real request
+  its prompt plus the part of its requested output produced so far.
 - ``hf``: transformers ``generate()`` in a child interpreter (:mod:`benchmarks.hf_backend`).
 
 With several backends, each runs in its own child process (clean device memory and peak
@@ -154,21 +155,28 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
 
 
 def static_batches(requests: list[Request], batch_size: int, n: int = 1):
-    """(rows, width, new) per static batch; rows = the requests (each repeated n times)."""
+    """(rows, width, new) per static batch; rows = the requests (each repeated n times), width =
+    the longest prompt of all batches rounded up to 128 (one compiled program serves every
+    batch), new = the batch's longest output (every row of the batch decodes that many)."""
     rows = [r for r in requests for _ in range(n)]
+    width = -(-max(r.prompt_len for r in rows) // 128) * 128
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        width = -(-max(r.prompt_len for r in chunk) // 128) * 128
-        new = -(-max(r.output_len for r in chunk) // 16) * 16
-        yield chunk, width, new
+        yield chunk, width, max(r.output_len for r in chunk)
+
+
+def static_capacity(batches) -> int:
+    """Output slots each row's contiguous cache holds: the longest output, rounded up to 16."""
+    return -(-max(new for _, _, new in batches) // 16) * 16
 
 
 def static_kv_waste(batches, batch_size: int) -> float:
     """Share of reserved contiguous KV slots holding no useful token, summed over decode steps."""
+    capacity = static_capacity(batches)
     reserved = used = 0
     for chunk, width, new in batches:
         steps = np.arange(1, new + 1)  # tokens generated after each decode step
-        reserved += batch_size * (width + new) * new
+        reserved += batch_size * (width + capacity) * new
         for r in chunk:
             used += int((r.prompt_len + np.minimum(steps, r.output_len)).sum())
     return 1 - used / max(1, reserved)
@@ -183,6 +191,7 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
 
     batch_size = args.max_num_seqs or 256
     batches = list(static_batches(requests, batch_size, args.n))
+    capacity = static_capacity(batches)
     arrays = []
     for chunk, width, new in batches:
         ids = np.zeros((batch_size, width), np.int32)
@@ -190,17 +199,15 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
         for i, r in enumerate(chunk):
             ids[i, :r.prompt_len] = r.prompt_ids
             lens[i] = r.prompt_len
-        arrays.append((jnp.asarray(ids), jnp.asarray(lens), new))
+        arrays.append((jnp.asarray(ids), jnp.asarray(lens), jnp.full(batch_size, new)))
 
     def call(ids, lens, new, key):
         return jaxllm.generate(model.params, ids, lens, key, config=model.config,
-                               max_new_tokens=new, temperature=1.0,
-                               block_size=args.block_size).tokens
+                               max_new_tokens=capacity, row_max_new_tokens=new,
+                               temperature=1.0, block_size=args.block_size).tokens
 
-    compile_start = time.perf_counter()
-    for shape in sorted({(a[0].shape, a[2]) for a in arrays}):  # compile before timing
-        ids, lens, new = next(a for a in arrays if (a[0].shape, a[2]) == shape)
-        jax.block_until_ready(call(ids, lens, new, jax.random.key(0)))
+    compile_start = time.perf_counter()  # one shape: compile (and run once) before timing
+    jax.block_until_ready(call(*arrays[0], jax.random.key(0)))
     compile_s = time.perf_counter() - compile_start
     start = time.perf_counter()
     for i, (ids, lens, new) in enumerate(tqdm(arrays, desc="jax-static", unit="batch",
@@ -209,7 +216,8 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
     elapsed = time.perf_counter() - start
     return {"elapsed_s": elapsed, "generated_tokens": sum(r.output_len for r in requests)
             * args.n, "num_batches": len(batches), "batch_size": batch_size,
-            "warm_up_s": compile_s, "kv_waste": static_kv_waste(batches, batch_size)}
+            "output_capacity": capacity, "warm_up_s": compile_s,
+            "kv_waste": static_kv_waste(batches, batch_size)}
 
 
 def run_one(backend: str, args) -> dict:
@@ -297,7 +305,9 @@ def run(args: argparse.Namespace) -> dict:
         results = {}
         with tempfile.TemporaryDirectory() as tmp:
             for b in backends:
-                out = os.path.join(tmp, f"{b}.json")
+                # Next to --output-json when given, so finished backends survive a later crash.
+                out = (os.path.splitext(os.path.abspath(args.output_json))[0] + f".{b}.json"
+                       if args.output_json else os.path.join(tmp, f"{b}.json"))
                 cmd = [sys.executable, "-m", "benchmarks", "throughput",
                        *_child_argv(args.argv, b, out)]
                 subprocess.run(cmd, check=True, cwd=_repo_root())

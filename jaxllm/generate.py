@@ -43,8 +43,10 @@ def generate(
     block_size: int = 16,
     pad_token_id: int = 0,
     attention_backend: str = "auto",
+    row_max_new_tokens: jax.Array | None = None,  # i32[B], each in 1..max_new_tokens
 ) -> GenerateOutput:
-    """Generates up to ``max_new_tokens`` per row; a row stops after emitting an EOS id.
+    """Generates up to ``max_new_tokens`` per row (or ``row_max_new_tokens[b]`` for row b: one
+    compiled program then serves many output lengths); a row stops after emitting an EOS id.
 
     Example (the embedded default model)::
 
@@ -68,6 +70,8 @@ def generate(
     temperature = as_rows(temperature, jnp.float32)
     top_k, top_p = as_rows(top_k, jnp.int32), as_rows(top_p, jnp.float32)
     eos = jnp.asarray(eos_token_ids or (-1,), jnp.int32)
+    limit = (jnp.full((batch_size,), max_new_tokens, jnp.int32) if row_max_new_tokens is None
+             else jnp.clip(row_max_new_tokens.astype(jnp.int32), 1, max_new_tokens))
 
     # Prefill: every row's padded prompt in one flat batch; padding writes to the null block.
     pos = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch_size, prompt_width))
@@ -90,7 +94,7 @@ def generate(
         logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], -1)[:, 0]
         tokens = tokens.at[:, step].set(jnp.where(done, pad_token_id, token))
         logprobs = logprobs.at[:, step].set(jnp.where(done, 0.0, logprob))
-        return tokens, logprobs, done | jnp.isin(token, eos)
+        return tokens, logprobs, done | jnp.isin(token, eos) | (step + 1 >= limit)
 
     key, first_key = jax.random.split(key)
     state = (jnp.full((batch_size, max_new_tokens), pad_token_id, jnp.int32),
@@ -120,6 +124,7 @@ def generate(
 
     _, _, _, (tokens, logprobs, done) = jax.lax.while_loop(
         not_finished, decode_step, (jnp.int32(1), kv_pool, key, state))
-    stopped_at = jnp.argmax(jnp.isin(tokens, eos), axis=-1) + 1
-    num_tokens = jnp.where(done, stopped_at, max_new_tokens).astype(jnp.int32)
+    is_eos = jnp.isin(tokens, eos) & (jnp.arange(max_new_tokens) < limit[:, None])
+    stopped_at = jnp.argmax(is_eos, axis=-1) + 1
+    num_tokens = jnp.where(jnp.any(is_eos, axis=-1), stopped_at, limit).astype(jnp.int32)
     return GenerateOutput(tokens, num_tokens, logprobs)

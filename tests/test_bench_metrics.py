@@ -130,12 +130,15 @@ def test_workloads_are_deterministic_and_respect_their_bounds():
 def test_static_batching_kv_waste_is_counted_from_the_contiguous_layout():
     from benchmarks.datasets import Request
 
-    reqs = [Request((1,) * 100, 10), Request((1,) * 28, 16)]
-    batches = list(static_batches(reqs, batch_size=4))
-    assert [(len(c), w, n) for c, w, n in batches] == [(2, 128, 16)]
-    reserved = 4 * (128 + 16) * 16
-    used = sum(100 + min(s, 10) for s in range(1, 17)) + sum(28 + s for s in range(1, 17))
-    assert static_kv_waste(batches, 4) == pytest.approx(1 - used / reserved)
+    reqs = [Request((1,) * 100, 10), Request((1,) * 28, 13), Request((1,) * 130, 3)]
+    batches = list(static_batches(reqs, batch_size=2))
+    # One compiled shape: every batch padded to the longest prompt (130 -> 256 slots); each
+    # batch decodes its own longest output; the cache holds 16 output slots (13 rounded up).
+    assert [(len(c), w, n) for c, w, n in batches] == [(2, 256, 13), (1, 256, 3)]
+    reserved = 2 * (256 + 16) * 13 + 2 * (256 + 16) * 3
+    used = (sum(100 + min(s, 10) for s in range(1, 14)) + sum(28 + s for s in range(1, 14))
+            + sum(130 + s for s in range(1, 4)))
+    assert static_kv_waste(batches, 2) == pytest.approx(1 - used / reserved)
 
 
 def test_roofline_reproduces_the_reference_llama3_8b_table():

@@ -75,6 +75,28 @@ def test_eos_stops_a_row_and_pads_after_it(params):
         assert np.asarray(out.tokens[i]).tolist()[:n] == free_row[:n]
 
 
+def test_row_max_new_tokens_stops_each_row_at_its_own_length(params):
+    ids, lens = padded(PROMPTS)
+    free = jaxllm.generate(params, ids, lens, jax.random.key(0), config=CFG,
+                           max_new_tokens=MAX_NEW, block_size=4)
+    limits = jnp.asarray([3, MAX_NEW, 1], jnp.int32)
+    out = jaxllm.generate(params, ids, lens, jax.random.key(0), config=CFG,
+                          max_new_tokens=MAX_NEW, block_size=4, pad_token_id=-1,
+                          row_max_new_tokens=limits)
+    assert np.asarray(out.num_tokens).tolist() == [3, MAX_NEW, 1]
+    for i, n in enumerate([3, MAX_NEW, 1]):
+        row = np.asarray(out.tokens[i]).tolist()
+        assert row[:n] == np.asarray(free.tokens[i]).tolist()[:n]
+        assert row[n:] == [-1] * (MAX_NEW - n)
+    # An EOS before the row's limit still stops it, and counts.
+    eos = int(free.tokens[1, 2])
+    out = jaxllm.generate(params, ids, lens, jax.random.key(0), config=CFG,
+                          max_new_tokens=MAX_NEW, block_size=4, eos_token_ids=(eos,),
+                          row_max_new_tokens=limits)
+    first = np.asarray(free.tokens[1]).tolist().index(eos)
+    assert int(out.num_tokens[1]) == first + 1
+
+
 def test_sampling_is_reproducible_and_key_dependent(params):
     ids, lens = padded(PROMPTS)
     sample = lambda seed, **kw: np.asarray(jaxllm.generate(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 
@@ -117,11 +118,12 @@ class ModelRunner:
         self.num_steps = 0
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, progress: bool = True, workers: int = 4) -> float:
+    def warm_up(self, progress: bool = True, workers: int | None = None) -> float:
         """Compiles every step bucket and sampler size ahead of time (compilation runs in
         parallel threads: XLA releases the GIL); returns the seconds spent."""
         from concurrent.futures import ThreadPoolExecutor
 
+        workers = workers or max(4, min(16, os.cpu_count() or 1))
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
