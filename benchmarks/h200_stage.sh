@@ -52,7 +52,10 @@ case $STAGE in
   throughput)
     MODEL=$1; shift
     timeout "$LIMIT" $PY -m benchmarks throughput --model "$MODEL" --load-format dummy \
-      --dtype bfloat16 --no-progress "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -25 ;;
+      --dtype bfloat16 --no-progress "$@" > "$OUT/throughput_${MODEL}_$(date +%H%M%S).log" 2>&1
+    echo "throughput rc=$?"
+    grep -h "warm-up\|Throughput\|/ hf\|Error\|error:" "$OUT"/throughput_"${MODEL}"_*.log \
+      | grep -v "^E1\|^W1" | cut -c1-400 | tail -12 ;;
   serve)  # MODEL RATES [server flags...]: one server, bench serve at each comma-separated rate
     MODEL=$1; RATES=$2; shift 2
     $PY -m serve --model "$MODEL" --load-format dummy --dtype bfloat16 --port 8000 \

@@ -86,6 +86,7 @@ class ModelRunner:
         cfg = self.config
         self.kv_pool = KVPool.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        self._pool_spec: KVPool | None = None  # set while warm-up holds no pool
         self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
@@ -131,11 +132,19 @@ class ModelRunner:
         jobs += [(self._sampler_executable, (rows, 0, variant))
                  for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})
                  for variant in WARM_SAMPLER_VARIANTS]
+        # The pool is released while compiling: XLA's GEMM autotuner allocates operand-sized
+        # scratch buffers (a stacked weight is GBs), one set per compiling thread.
+        pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
+        self._pool_spec = pool_spec
+        jax.tree.map(lambda x: x.delete(), self.kv_pool)
+        self.kv_pool = None
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(jobs), desc="Compiling step buckets", disable=not progress,
                 unit="graph") as bar:
             for _ in pool.map(lambda job: job[0](job[1]), jobs):
                 bar.update(1)
+        self.kv_pool = KVPool(*(jnp.zeros(x.shape, x.dtype) for x in (pool_spec.k, pool_spec.v)))
+        self._pool_spec = None
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
             self.kv_pool = self._copy(self.kv_pool, ids, ids)
@@ -145,7 +154,8 @@ class ModelRunner:
     def _forward_executable(self, shape: StepShape):
         exe = self._forward_exe.get(shape)
         if exe is None:
-            pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
+            pool = self._pool_spec or jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
             batch = self._empty_batch(shape)
             exe = self._forward.lower(self.model.params, pool, batch, self._no_prev_tokens,
                                       batch.input_ids).compile()
