@@ -292,7 +292,7 @@ def _print(result: dict) -> None:
           f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'} "
           f"({result.get('peak_memory_kind', '')}); KV waste "
           f"{'n/a' if waste is None else f'{waste:.1%}'}; warm-up "
-          f"{result.get('warm_up_s') or 0:.1f} s, timed {result.get('elapsed_s') or 0:.1f} s")
+          f"{result.get('warm_up_s') or 0:.1f} s, timed {result['elapsed_time']:.1f} s")
 
 
 def run(args: argparse.Namespace) -> dict:
