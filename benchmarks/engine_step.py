@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--mode", choices=["async", "sync"], default="async")
-    parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--unroll-layers", action="store_true")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 

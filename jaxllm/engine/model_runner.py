@@ -75,7 +75,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, attention_backend: str = "auto",
-                 bucket_table_width: bool = True, unroll_layers: bool | None = None):
+                 bucket_table_width: bool = True, unroll_layers: bool = False):
         self.model = model
         self.config = model.config
         self.block_size = block_size

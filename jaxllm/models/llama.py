@@ -140,19 +140,9 @@ class LlamaForCausalLM(nn.Module):
 ForwardFn = Callable[[Any, KVPool, BatchMetadata], tuple[jax.Array, KVPool]]
 
 
-def default_unroll_layers() -> bool:
-    """Unrolled on accelerators, where a looped layer stack makes the launch block the host;
-    looped on CPU, where compile time matters more (tests compile many shape buckets)."""
-    return jax.default_backend() != "cpu"
-
-
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
-                 attention_backend: str = "auto",
-                 unroll_layers: bool | None = None) -> ForwardFn:
-    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``;
-    ``unroll_layers=None`` picks :func:`default_unroll_layers`."""
-    if unroll_layers is None:
-        unroll_layers = default_unroll_layers()
+                 attention_backend: str = "auto", unroll_layers: bool = False) -> ForwardFn:
+    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
     model = LlamaForCausalLM(config, dtype, attention_backend, unroll_layers)
 
     def forward(params, kv_pool: KVPool, batch: BatchMetadata):
