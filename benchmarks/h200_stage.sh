@@ -11,6 +11,8 @@
 #   serve MODEL RATES python -m serve in the background, bench serve at each rate (ARGS: server
 #                     flags), then SIGTERM
 #   cache-save / cache-load TAR   carry the engine's XLA compilation cache between calls
+#   hlo MODEL         optimized HLO of one batch-256 decode step (pass --unroll-layers and
+#                     --pool-blocks N for the engine-sized case): pool copies, big allocations
 set -o pipefail
 STAGE=$1; LIMIT=${2:-300}; shift 2 || shift $#
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
@@ -79,6 +81,27 @@ case $STAGE in
     tar -C ~/.cache/jaxllm -cf "$OUT/xla_cache.tar" xla && ls -la "$OUT/xla_cache.tar" ;;
   cache-load)  # ARG: a tar from cache-save
     mkdir -p ~/.cache/jaxllm && tar -C ~/.cache/jaxllm -xf "$1" && du -sh ~/.cache/jaxllm/xla ;;
+  hlo)  # MODEL [latency flags]: dump the optimized HLO of one decode step and show pool copies
+    MODEL=$1; shift
+    rm -rf /tmp/hlo
+    # No persistent cache here: a cache hit skips the compile and its buffer-assignment dump.
+    JAX_COMPILATION_CACHE_DIR= \
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout "$LIMIT" \
+      $PY -m benchmarks latency --model "$MODEL" --load-format dummy --dtype bfloat16 \
+      --batch-sizes 256 --context-len 1024 --iters 3 --warmup-iters 1 --no-progress "$@" 2>&1 \
+      | grep -v "^WARNING\|^I0000" | tail -5
+    for f in $(ls -S /tmp/hlo/*jit_step*after_optimizations.txt | head -1); do
+      echo "== $f"; grep -c "" "$f"
+      echo "-- copies of pool-shaped or larger buffers:"
+      grep -E " (copy|copy-start|transpose)\(" "$f" | grep -E "\[${POOL_DIM0:-32},[0-9]{4,}" | cut -c1-300 | head -20
+      base=${f%after_optimizations.txt}
+      head -24 "${base}"*memory-usage-report.txt
+      echo "-- allocations of 1 GB or more:"
+      grep -E "^allocation [0-9]+: size [0-9]{10,}" "${base}"*buffer-assignment.txt \
+        | cut -c1-240 | head -12
+    done
+    tar -C /tmp -czf "$OUT/hlo_dump.tgz" --exclude="*.o" --exclude="*.ptx" --exclude="*.ll" hlo \
+      && ls -la "$OUT/hlo_dump.tgz" ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 echo "== $STAGE done in $(( $(date +%s) - t0 )) s"

@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--pool-blocks", type=int, default=None,
+                        help="KV pool size in blocks (default: just what the batch needs; an "
+                        "engine-sized pool shows how the compiled step treats a large pool)")
     parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=False,
                         help="compile the layer stack unrolled (the engine's unroll_layers)")
     parser.add_argument("--iters", type=int, default=20)
@@ -93,7 +96,8 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
-                     unroll_layers: bool = False) -> tuple[float, float]:
+                     unroll_layers: bool = False,
+                     pool_blocks: int | None = None) -> tuple[float, float]:
     """Median seconds of one decode step, and of its launch alone (the call returning before
     the result is ready: a launch as long as the step means the host is blocked)."""
     import jax
@@ -103,7 +107,8 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
-    pool = KVPool.zeros(cfg.num_hidden_layers, 1 + batch_size * blocks_per_seq, block_size,
+    num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
+    pool = KVPool.zeros(cfg.num_hidden_layers, num_blocks, block_size,
                         cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
@@ -159,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
         measured, launch = time_decode_step(
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
-            unroll_layers=unroll)
+            unroll_layers=unroll, pool_blocks=args.pool_blocks)
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
                            matmul_params, args.peak_tflops)
         rows.append({"batch_size": b, "context_len": args.context_len,
