@@ -69,6 +69,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="interpreter with torch + transformers (default: this one)")
     h.add_argument("--hf-max-batch-size", type=int, default=None,
                    help="static batch size (default: --max-num-seqs, else 256)")
+    parser.add_argument("--devices", default=None,
+                        help="comma-separated GPU ids: backend i runs on device i %% count, "
+                        "backends on different devices at the same time (e.g. 0,1: jaxllm and "
+                        "hf side by side on a two-GPU machine)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--plot", action="store_true", help="bar chart of output tokens/s (next "
                         "to --output-json, else in benchmarks/results/)")
@@ -295,6 +299,39 @@ def _print(result: dict) -> None:
           f"{result.get('warm_up_s') or 0:.1f} s, timed {result['elapsed_time']:.1f} s")
 
 
+def _run_children(backends: list[str], args, tmp: str) -> dict:
+    """Each backend in its own child process. With ``--devices``, backend i runs on device
+    ``devices[i % len(devices)]`` (CUDA_VISIBLE_DEVICES): backends on different devices run at
+    the same time, those sharing one run one after another."""
+    devices = [d.strip() for d in (args.devices or "").split(",") if d.strip()] or [None]
+    queues: dict = {}
+    for i, b in enumerate(backends):
+        queues.setdefault(devices[i % len(devices)], []).append(b)
+
+    def run_queue(device, queue) -> dict:
+        done = {}
+        for b in queue:
+            # Next to --output-json when given, so finished backends survive a later crash.
+            out = (os.path.splitext(os.path.abspath(args.output_json))[0] + f".{b}.json"
+                   if args.output_json else os.path.join(tmp, f"{b}.json"))
+            env = dict(os.environ) | ({} if device is None else {"CUDA_VISIBLE_DEVICES": device})
+            cmd = [sys.executable, "-m", "benchmarks", "throughput",
+                   *_child_argv(args.argv, b, out)]
+            subprocess.run(cmd, check=True, cwd=_repo_root(), env=env)
+            with open(out) as f:
+                done[b] = json.load(f)["results"][b]
+        return done
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(queues)) as pool:
+        futures = [pool.submit(run_queue, d, q) for d, q in queues.items()]
+        finished = {}
+        for f in futures:
+            finished |= f.result()
+    return {b: finished[b] for b in backends}
+
+
 def run(args: argparse.Namespace) -> dict:
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     for b in backends:
@@ -303,17 +340,8 @@ def run(args: argparse.Namespace) -> dict:
     if len(backends) == 1:
         results = {backends[0]: run_one(backends[0], args)}
     else:
-        results = {}
         with tempfile.TemporaryDirectory() as tmp:
-            for b in backends:
-                # Next to --output-json when given, so finished backends survive a later crash.
-                out = (os.path.splitext(os.path.abspath(args.output_json))[0] + f".{b}.json"
-                       if args.output_json else os.path.join(tmp, f"{b}.json"))
-                cmd = [sys.executable, "-m", "benchmarks", "throughput",
-                       *_child_argv(args.argv, b, out)]
-                subprocess.run(cmd, check=True, cwd=_repo_root())
-                with open(out) as f:
-                    results[b] = json.load(f)["results"][b]
+            results = _run_children(backends, args, tmp)
     if len(backends) > 1:
         print("=" * 30, "side by side", "=" * 30)
     for r in results.values():

@@ -58,14 +58,15 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, ca
 
 
 def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
-    """One run, several backends, each in its own process; hf through the reference venv."""
+    """One run, several backends, each in its own process (two at a time through --devices);
+    hf through the reference venv."""
     backends = "jaxllm,hf" if _has_torch(REF_PYTHON) else "jaxllm,jax-static"
     out = tmp_path / "side.json"
     cmd = [sys.executable, "-m", "benchmarks", "throughput", "--backend", backends,
            *_tiny_args(tiny_config), "--hf-python", REF_PYTHON, "--dataset-name",
            "sharegpt-like", "--num-prompts", "8", "--max-num-seqs", "4",
            "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--enforce-eager",
-           "--output-json", str(out), "--plot"]
+           "--output-json", str(out), "--plot", "--devices", "0,1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,6 +77,8 @@ def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
     assert len(tokens) == 1 and len(prompts) == 1  # identical inputs for every backend
     assert "side by side" in proc.stdout
     assert (tmp_path / "side.png").stat().st_size > 0
+    for b in backends.split(","):  # each child's own result survives next to the summary
+        assert json.loads((tmp_path / f"side.{b}.json").read_text())["results"][b]
 
 
 @pytest.mark.slow
