@@ -97,30 +97,36 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
                      unroll_layers: bool = False,
-                     pool_blocks: int | None = None) -> tuple[float, float]:
+                     pool_blocks: int | None = None) -> tuple[float, float, int]:
     """Median seconds of one decode step, and of its launch alone (the call returning before
-    the result is ready: a launch as long as the step means the host is blocked)."""
+    the result is ready: a launch as long as the step means the host is blocked), and the
+    compiled step's temporary bytes."""
     import jax
     import jax.numpy as jnp
 
-    from jaxllm import KVPool, SeqChunk, make_forward, pack_batch
+    from jaxllm import KVPool, LayeredKVPool, SeqChunk, make_forward, pack_batch
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
-    pool = KVPool.zeros(cfg.num_hidden_layers, num_blocks, block_size,
+    pool_type = LayeredKVPool if unroll_layers else KVPool
+    pool = pool_type.zeros(cfg.num_hidden_layers, num_blocks, block_size,
                         cfg.num_key_value_heads, cfg.head_dim, model.dtype)
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
     batch = jax.device_put(pack_batch(chunks, block_size))
-    forward = make_forward(cfg, model.dtype, backend, unroll_layers)
+    forward = make_forward(cfg, model.dtype, backend)
 
     def step(params, kv_pool, batch):
         logits, kv_pool = forward(params, kv_pool, batch)
         return jnp.argmax(logits, axis=-1), kv_pool
 
-    step = jax.jit(step, donate_argnums=(1,))
+    step = jax.jit(step, donate_argnums=(1,)).lower(model.params, pool, batch).compile()
+    # XLA's plan beyond the pool: a pool-sized figure here means the pool is not updated in place.
+    temp_bytes = int(getattr(step.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+    print(f"batch {batch_size}: compiled step needs {temp_bytes / 1e9:.2f} GB of temporaries "
+          f"(pool {sum(x.nbytes for x in jax.tree.leaves(pool)) / 1e9:.2f} GB)", flush=True)
     for _ in range(warmup):
         tokens, pool = step(model.params, pool, batch)
     jax.block_until_ready(tokens)
@@ -131,7 +137,7 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
         launches.append(time.perf_counter() - t)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), float(np.median(launches))
+    return float(np.median(times)), float(np.median(launches)), temp_bytes
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):
-        measured, launch = time_decode_step(
+        measured, launch, temp_bytes = time_decode_step(
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
             unroll_layers=unroll, pool_blocks=args.pool_blocks)
@@ -169,6 +175,7 @@ def run(args: argparse.Namespace) -> dict:
                            matmul_params, args.peak_tflops)
         rows.append({"batch_size": b, "context_len": args.context_len,
                      "step_ms": 1e3 * measured, "launch_ms": 1e3 * launch,
+                     "temp_bytes": temp_bytes,
                      "roofline_ms": 1e3 * bound,
                      "pct_of_roofline": 100 * bound / measured,
                      "output_tokens_per_s": b / measured})

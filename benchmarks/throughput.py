@@ -62,6 +62,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    e.add_argument("--unroll-layers", action="store_true",
+                        help="unrolled layer stack over a per-layer KV pool (the launch no "
+                        "longer blocks the host on GPU; longer compiles)")
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
     h = parser.add_argument_group("hf")
@@ -134,6 +137,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
         max_model_len=args.max_model_len, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
+        unroll_layers=args.unroll_layers,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
     engine = LLMEngine(config, model=model, progress=not args.no_progress)

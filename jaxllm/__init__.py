@@ -9,7 +9,7 @@ Public API:
   (:class:`LLMEngine`, :class:`AsyncLLMEngine` for servers), with :class:`SamplingParams`.
 """
 
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.config import EngineConfig
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine",
     "RequestOutput", "SamplingParams", "SequenceStatus",
-    "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LoadedModel", "ModelConfig",
-    "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError", "__version__",
-    "default_model_path", "generate", "load_model", "make_forward", "pack_batch",
+    "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LayeredKVPool", "LoadedModel",
+    "ModelConfig", "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError",
+    "__version__", "default_model_path", "generate", "load_model", "make_forward", "pack_batch",
 ]

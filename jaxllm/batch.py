@@ -31,6 +31,10 @@ class KVPool:
     v: jax.Array  # [L, num_blocks, block_size, Hkv, D]
 
     @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
     def num_blocks(self) -> int:
         return self.k.shape[1]
 
@@ -38,11 +42,91 @@ class KVPool:
     def block_size(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of one layer: (block_size, Hkv, D)."""
+        return tuple(self.k.shape[2:])
+
+    @property
+    def dtype(self):
+        return self.k.dtype
+
     @classmethod
     def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
               head_dim: int, dtype: jnp.dtype) -> KVPool:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+    def read_blocks(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K and V of blocks ``ids`` (i32[n]) in every layer: [L, n, block_size, Hkv, D] each."""
+        return self.k[:, ids], self.v[:, ids]
+
+    def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
+        return KVPool(k=self.k.at[:, ids].set(k), v=self.v.at[:, ids].set(v))
+
+    def copy_blocks(self, src: jax.Array, dst: jax.Array) -> KVPool:
+        return KVPool(k=self.k.at[:, dst].set(self.k[:, src]),
+                      v=self.v.at[:, dst].set(self.v[:, src]))
+
+
+@flax.struct.dataclass
+class LayeredKVPool:
+    """The same pool as :class:`KVPool`, one array pair per layer. An unrolled layer stack
+    updates each layer's arrays once and reads them once, so XLA can keep every update in place
+    (a stacked pool is written, read, then written again by the next layer)."""
+
+    k: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
+    v: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.k[0].shape[2:])
+
+    @property
+    def dtype(self):
+        return self.k[0].dtype
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+              head_dim: int, dtype: jnp.dtype) -> LayeredKVPool:
+        shape = (1, num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+    def layer(self, index: int) -> KVPool:
+        """Layer ``index`` as a one-layer :class:`KVPool` (address it as layer 0)."""
+        return KVPool(k=self.k[index], v=self.v[index])
+
+    def replace_layer(self, index: int, pool: KVPool) -> LayeredKVPool:
+        k, v = list(self.k), list(self.v)
+        k[index], v[index] = pool.k, pool.v
+        return LayeredKVPool(k=tuple(k), v=tuple(v))
+
+    def read_blocks(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return (jnp.concatenate([x[:, ids] for x in self.k]),
+                jnp.concatenate([x[:, ids] for x in self.v]))
+
+    def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> LayeredKVPool:
+        return LayeredKVPool(k=tuple(x.at[:, ids].set(k[i:i + 1]) for i, x in enumerate(self.k)),
+                             v=tuple(x.at[:, ids].set(v[i:i + 1]) for i, x in enumerate(self.v)))
+
+    def copy_blocks(self, src: jax.Array, dst: jax.Array) -> LayeredKVPool:
+        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), self)
+
+
+AnyKVPool = KVPool | LayeredKVPool
 
 
 @flax.struct.dataclass

@@ -100,6 +100,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--cpu-kv-cache-space", type=float, default=4.0,
                         help="GiB for the KV pool when running on CPU")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    engine.add_argument("--unroll-layers", action="store_true",
+                        help="unrolled layer stack over a per-layer KV pool (the launch no "
+                        "longer blocks the host on GPU; longer compiles)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="compile step shapes on first use instead of warming them all up")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -140,6 +143,7 @@ def configs_from_args(args: argparse.Namespace,
         gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
+        unroll_layers=args.unroll_layers,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
         disable_log_stats=args.disable_log_stats)

@@ -102,14 +102,15 @@ def test_continuous_batching_equals_one_at_a_time(model, async_scheduling):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("mode, async_scheduling", [("recompute", True), ("swap", True),
-                                                    ("recompute", False), ("swap", False)])
-def test_preemption_keeps_outputs_exact(model, mode, async_scheduling):
+@pytest.mark.parametrize("mode, async_scheduling, unroll_layers", [
+    ("recompute", True, False), ("swap", True, False), ("recompute", False, False),
+    ("swap", False, False), ("swap", True, True)])
+def test_preemption_keeps_outputs_exact(model, mode, async_scheduling, unroll_layers):
     prompts, max_tokens = workload(16, seed=1)
     # 24 usable blocks of 8 tokens: far less than the workload needs at once.
     engine = make_engine(model, num_gpu_blocks_override=25, max_model_len=96,
                          preemption_mode=mode, swap_space=0.01,
-                         async_scheduling=async_scheduling)
+                         async_scheduling=async_scheduling, unroll_layers=unroll_layers)
     outputs = run_all(engine, prompts, max_tokens)
     assert engine.scheduler.num_preemptions > 0
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
@@ -152,7 +153,9 @@ def test_parallel_sampling_shares_prompt_blocks_and_is_seeded(model):
     assert engine.block_manager.num_gpu_blocks - 1 - engine.block_manager.num_free_blocks == 0
     samples = [tuple(o.token_ids) for o in out.outputs]
     assert len(samples) == 4 and len(set(samples)) > 1
-    again, _ = run(make_engine(model))
+    # The same seeds give the same samples, also through the unrolled layers (per-layer pool,
+    # whose copy-on-write block copies then serve the forked sequences).
+    again, _ = run(make_engine(model, unroll_layers=True))
     assert [tuple(o.token_ids) for o in again.outputs] == samples
     assert_no_leak(engine)
 
@@ -173,8 +176,10 @@ def test_abort_and_finish_free_every_block(model):
     assert_no_leak(engine)
 
 
-def test_no_recompilation_after_warm_up(model):
-    engine = make_engine(model, enforce_eager=False, max_model_len=96, max_num_seqs=4)
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_no_recompilation_after_warm_up(model, unroll_layers):
+    engine = make_engine(model, enforce_eager=False, max_model_len=96, max_num_seqs=4,
+                         unroll_layers=unroll_layers)
     runner = engine.runner
     compiled = runner.num_compilations
     num_row_buckets = len({s.num_seqs for s in runner.buckets.all_shapes()})

@@ -3,13 +3,12 @@ padded or placed in the pool, every position's logits are the same."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_models import TINY_CONFIGS, PagedRunner, random_params
 
-from jaxllm import SeqChunk, make_forward
+from jaxllm import LayeredKVPool, SeqChunk, pack_batch
 
 SEQ_LEN = 23
 ATOL = 2e-5
@@ -93,12 +92,20 @@ def test_sliding_window_limits_attention():
     assert np.abs(windowed[window:] - unwindowed[window:]).max() > 1e-3
 
 
-def test_unrolled_layers_give_the_same_logits():
+def test_layered_pool_unrolls_the_layers_with_the_same_logits_and_cache():
     cfg = TINY_CONFIGS["llama3_rope_scaling"]
     params = random_params(cfg, seed=3)
     ids = tokens(cfg)
-    looped = PagedRunner(cfg, params).run(ids, [SEQ_LEN], table(6))
-    runner = PagedRunner(cfg, params)
-    runner.forward = jax.jit(make_forward(cfg, jnp.float32, unroll_layers=True),
-                             donate_argnums=(1,))
-    np.testing.assert_allclose(runner.run(ids, [SEQ_LEN], table(6)), looped, atol=1e-5)
+    chunks = [5, 1, SEQ_LEN - 6]  # later chunks read what earlier ones cached
+    looped = PagedRunner(cfg, params)
+    unrolled = PagedRunner(cfg, params, pool_type=LayeredKVPool)
+    np.testing.assert_allclose(unrolled.run(ids, chunks, table(6)),
+                               looped.run(ids, chunks, table(6)), atol=1e-5)
+    blocks = jnp.arange(looped.pool.num_blocks)
+    for got, want in zip(unrolled.pool.read_blocks(blocks), looped.pool.read_blocks(blocks),
+                         strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    batch = pack_batch([SeqChunk(ids[:3], 0, table(6))], 4)
+    loops = lambda runner: runner.forward.lower(params, runner.pool, batch).as_text().count(
+        "stablehlo.while")
+    assert loops(unrolled) == loops(looped) - 1  # no layer loop: straight-line layers

@@ -49,10 +49,10 @@ class PagedRunner:
     """Runs sequences through the jitted forward in caller-chosen chunks over one pool."""
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 4, num_blocks: int = 64,
-                 dtype=jnp.float32, backend: str = "auto"):
+                 dtype=jnp.float32, backend: str = "auto", pool_type=KVPool):
         self.cfg, self.params, self.block_size = cfg, params, block_size
-        self.pool = KVPool.zeros(cfg.num_hidden_layers, num_blocks, block_size,
-                                 cfg.num_key_value_heads, cfg.head_dim, dtype)
+        self.pool = pool_type.zeros(cfg.num_hidden_layers, num_blocks, block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype)
         self.forward = jax.jit(make_forward(cfg, dtype, backend), donate_argnums=(1,))
 
     def step(self, chunks: Sequence[SeqChunk], **pad) -> np.ndarray:

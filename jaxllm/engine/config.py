@@ -42,9 +42,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Schedule and launch step k+1 before step k's samples reach the host (hides host time).
     async_scheduling: bool = True
-    # Compile the layer stack unrolled rather than as a loop. On the H200 the unrolled decode
-    # step is faster and its launch no longer blocks the host, but with an engine-sized KV
-    # pool XLA plans over twice the pool's memory for it (RESULTS.md, issue 6): off by default.
+    # Compile the layer stack unrolled, over a per-layer KV pool, rather than as a loop. On the
+    # H200 an unrolled decode step was 1.4-2.3x faster and its launch did not block the host,
+    # but with a stacked engine-sized pool XLA planned over twice the pool's memory (RESULTS.md,
+    # issue 6); the per-layer pool is meant to avoid that and is not yet measured on a GPU.
     unroll_layers: bool = False
     disable_log_stats: bool = False
 

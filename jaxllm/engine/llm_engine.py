@@ -96,7 +96,8 @@ class LLMEngine:
             cpu_kv_cache_space=config.cpu_kv_cache_space, swap_space=config.swap_space,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_batched, attention_backend=backend)
+            max_num_batched_tokens=max_batched, attention_backend=backend,
+            unroll_layers=config.unroll_layers)
         logger.info(plan.report)
         if -(-max_model_len // config.block_size) > plan.num_gpu_blocks - 1:
             fits = (plan.num_gpu_blocks - 1) * config.block_size

@@ -14,7 +14,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
 from jaxllm.engine.sampler import build_sampling_metadata, sample
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
@@ -39,7 +39,7 @@ def kv_block_bytes(model: LoadedModel, block_size: int) -> int:
 
 
 def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_width: int,
-                     attention_backend: str) -> int:
+                     attention_backend: str, unroll_layers: bool = False) -> int:
     """Temporary device memory of the jitted step at its largest shape (compiled, not run)."""
     cfg = model.config
     forward = make_forward(cfg, model.dtype, attention_backend)
@@ -48,15 +48,17 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
         logits, kv_pool = forward(params, kv_pool, batch)
         return sample(logits, md, num_logprobs=0, use_penalties=False), kv_pool
 
-    pool = jax.ShapeDtypeStruct((cfg.num_hidden_layers, 2, 16, cfg.num_key_value_heads,
-                                 cfg.head_dim), model.dtype)
+    pool_type = LayeredKVPool if unroll_layers else KVPool
+    pool = jax.eval_shape(lambda: pool_type.zeros(cfg.num_hidden_layers, 2, 16,
+                                                  cfg.num_key_value_heads, cfg.head_dim,
+                                                  model.dtype))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
     batch = BatchMetadata(i32(num_tokens), i32(num_tokens), i32(num_tokens),
                           i32(num_seqs, table_width), i32(num_seqs), i32(num_seqs + 1),
                           i32(num_seqs))
     md = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                       build_sampling_metadata([], num_seqs, 0, 8))
-    compiled = jax.jit(step).lower(model.params, KVPool(pool, pool), batch, md).compile()
+    compiled = jax.jit(step).lower(model.params, pool, batch, md).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
@@ -64,7 +66,8 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
                    cpu_kv_cache_space: float, swap_space: float,
                    num_gpu_blocks_override: int | None, max_num_seqs: int, max_model_len: int,
-                   max_num_batched_tokens: int, attention_backend: str) -> KVPlan:
+                   max_num_batched_tokens: int, attention_backend: str,
+                   unroll_layers: bool = False) -> KVPlan:
     per_block = kv_block_bytes(model, block_size)
     useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
     num_cpu = min(int(swap_space * GiB) // per_block, useful)
@@ -82,7 +85,8 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
         in_use = stats.get("bytes_in_use", 0)
         activations = activation_bytes(model, max_num_batched_tokens,
                                        min(max_num_seqs, max_num_batched_tokens),
-                                       -(-max_model_len // block_size), attention_backend)
+                                       -(-max_model_len // block_size), attention_backend,
+                                       unroll_layers)
         kv_bytes = budget - in_use - activations
         if kv_bytes < 2 * per_block:
             raise ValueError(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import AnyKVPool, BatchMetadata, KVPool, LayeredKVPool
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.sampler import (
     SamplerOutput,
@@ -84,14 +84,15 @@ class ModelRunner:
         self.buckets = BucketSpec.build(max_num_seqs, max_num_batched_tokens,
                                         self.max_blocks_per_seq, bucket_table_width)
         cfg = self.config
-        self.kv_pool = KVPool.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, model.dtype)
-        self._pool_spec: KVPool | None = None  # set while warm-up holds no pool
+        pool_type = LayeredKVPool if unroll_layers else KVPool
+        self.kv_pool = pool_type.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
+                                       cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        self._pool_spec: AnyKVPool | None = None  # set while warm-up holds no pool
         self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        forward = make_forward(cfg, model.dtype, attention_backend, unroll_layers)
+        forward = make_forward(cfg, model.dtype, attention_backend)
         self.max_rows = self.buckets.batch_sizes[-1]
 
         def forward_after(params, kv_pool, batch, prev_tokens, prev_rows):
@@ -113,9 +114,11 @@ class ModelRunner:
         self._forward_exe: dict[StepShape, object] = {}
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
-        self._copy = jax.jit(_copy_blocks, donate_argnums=(0,))
-        self._write_blocks = jax.jit(_write_blocks, donate_argnums=(0,))
-        self._read_blocks = jax.jit(lambda pool, ids: (pool.k[:, ids], pool.v[:, ids]))
+        self._copy = jax.jit(lambda pool, src, dst: pool.copy_blocks(src, dst),
+                             donate_argnums=(0,))
+        self._write_blocks = jax.jit(lambda pool, ids, k, v: pool.write_blocks(ids, k, v),
+                                     donate_argnums=(0,))
+        self._read_blocks = jax.jit(lambda pool, ids: pool.read_blocks(ids))
         self.num_steps = 0
 
     # ------------------------------------------------------------------ warm-up
@@ -143,12 +146,12 @@ class ModelRunner:
                 unit="graph") as bar:
             for _ in pool.map(lambda job: job[0](job[1]), jobs):
                 bar.update(1)
-        self.kv_pool = KVPool(*(jnp.zeros(x.shape, x.dtype) for x in (pool_spec.k, pool_spec.v)))
+        self.kv_pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), pool_spec)
         self._pool_spec = None
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
             self.kv_pool = self._copy(self.kv_pool, ids, ids)
-        jax.block_until_ready(self.kv_pool.k)
+        jax.block_until_ready(self.kv_pool)
         return time.perf_counter() - start
 
     def _forward_executable(self, shape: StepShape):
@@ -295,16 +298,8 @@ class ModelRunner:
 
     def _host_pools(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
-            shape = (self.kv_pool.k.shape[0], self.num_cpu_blocks, *self.kv_pool.k.shape[2:])
-            self._host_k = np.zeros(shape, self.kv_pool.k.dtype)
-            self._host_v = np.zeros(shape, self.kv_pool.v.dtype)
+            pool = self.kv_pool
+            shape = (pool.num_layers, self.num_cpu_blocks, *pool.block_shape)
+            self._host_k = np.zeros(shape, pool.dtype)
+            self._host_v = np.zeros(shape, pool.dtype)
         return self._host_k, self._host_v
-
-
-def _copy_blocks(pool: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
-    # Padding pairs are (0, 0): the null block copied onto itself.
-    return KVPool(k=pool.k.at[:, dst].set(pool.k[:, src]), v=pool.v.at[:, dst].set(pool.v[:, src]))
-
-
-def _write_blocks(pool: KVPool, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-    return KVPool(k=pool.k.at[:, ids].set(k), v=pool.v.at[:, ids].set(v))

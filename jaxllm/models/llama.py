@@ -1,8 +1,10 @@
 """The Llama family in Flax: one implementation for Llama 2/3, Mistral, Qwen2 and SmolLM2.
 
-The forward is pure: ``forward(params, kv_pool, batch) -> (logits, kv_pool)``. Layers are
-scanned (one compiled layer body, whatever the depth), carrying the hidden state and the
-stacked KV pool so that each layer's K/V scatter updates the donated pool in place.
+The forward is pure: ``forward(params, kv_pool, batch) -> (logits, kv_pool)``. With a stacked
+:class:`KVPool` the layers are scanned (one compiled layer body, whatever the depth), carrying
+the hidden state and the pool so that each layer's K/V scatter updates the donated pool in
+place. With a :class:`LayeredKVPool` the layers are unrolled (straight-line code: on GPU a
+scanned stack's launch blocks the host) and each layer updates its own pool arrays.
 
 Param tree (stacked leading axis L under "layers"; kernels are [in, out])::
 
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.attention import paged_attention, write_kv
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import AnyKVPool, BatchMetadata, KVPool, LayeredKVPool
 from jaxllm.config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 
@@ -102,31 +104,39 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
+    """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; same params and
+    numbers for either pool type (init with a :class:`KVPool`)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
-    # Unrolled layers compile into straight-line code instead of an XLA while loop (whose
-    # loop condition may be read back by the host on GPU); same params, same numbers.
-    unroll_layers: bool = False
 
     @nn.compact
-    def __call__(self, kv_pool: KVPool, batch: BatchMetadata):
+    def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata):
         cfg = self.config
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.dtype, name="embed_tokens")
         hidden = embed(batch.input_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, batch.positions)  # [T, D] each
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-            length=cfg.num_hidden_layers,
-            unroll=cfg.num_hidden_layers if self.unroll_layers else 1,
-        )(cfg, self.dtype, self.attention_backend, name="layers")
-        (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
+        if isinstance(kv_pool, LayeredKVPool):
+            # The scanned stack's params, one layer at a time (a slice XLA fuses into the
+            # matmuls); each layer is layer 0 of its own one-layer pool.
+            stacked = self.variables["params"]["layers"]
+            layer = DecoderLayer(cfg, self.dtype, self.attention_backend)
+            for i in range(cfg.num_hidden_layers):
+                (hidden, pool, _), _ = layer.apply(
+                    {"params": jax.tree.map(lambda x, i=i: x[i], stacked)},
+                    (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin, batch)
+                kv_pool = kv_pool.replace_layer(i, pool)
+        else:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_hidden_layers,
+            )(cfg, self.dtype, self.attention_backend, name="layers")
+            (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
         hidden = hidden[batch.logits_indices]  # [N, H]: the LM head runs only where needed
         hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hidden)
         if cfg.tie_word_embeddings:
@@ -137,15 +147,16 @@ class LlamaForCausalLM(nn.Module):
         return logits.astype(jnp.float32), kv_pool
 
 
-ForwardFn = Callable[[Any, KVPool, BatchMetadata], tuple[jax.Array, KVPool]]
+ForwardFn = Callable[[Any, AnyKVPool, BatchMetadata], tuple[jax.Array, AnyKVPool]]
 
 
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
-                 attention_backend: str = "auto", unroll_layers: bool = False) -> ForwardFn:
-    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``."""
-    model = LlamaForCausalLM(config, dtype, attention_backend, unroll_layers)
+                 attention_backend: str = "auto") -> ForwardFn:
+    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the
+    layers are scanned for a :class:`KVPool` and unrolled for a :class:`LayeredKVPool`."""
+    model = LlamaForCausalLM(config, dtype, attention_backend)
 
-    def forward(params, kv_pool: KVPool, batch: BatchMetadata):
+    def forward(params, kv_pool: AnyKVPool, batch: BatchMetadata):
         return model.apply({"params": params}, kv_pool, batch)
 
     return forward
