@@ -42,7 +42,13 @@ def _tiny_args(config: str) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", ["jaxllm", "jax-static"])
-def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, capsys):
+def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, capsys,
+                                              monkeypatch):
+    # A device with memory statistics (CPU has none): held bytes come from them, and the
+    # reported peak adds the compiled step's temporaries (the raw JAX peak is kept aside).
+    import benchmarks.throughput as throughput
+
+    monkeypatch.setattr(throughput, "_device_bytes_in_use", lambda: 1000)
     out = tmp_path / "tp.json"
     rc = bench_main(["throughput", "--backend", backend, *_tiny_args(tiny_config),
                      "--dataset-name", "random", "--num-prompts", "6", "--input-len", "20",
@@ -54,6 +60,9 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, ca
     assert r["num_requests"] == 6 and r["generated_tokens"] == r["total_output_tokens"]
     assert r["output_tokens_per_second"] > 0 and r["peak_memory_bytes"] > 0
     assert 0 <= r["kv_waste"] < 1
+    assert r["held_bytes"] == 1000 and r["max_step_temp_bytes"] > 0
+    assert r["peak_memory_bytes"] == 1000 + r["max_step_temp_bytes"]
+    assert "jax_peak_bytes_in_use" in r
     assert f"[{backend}] Throughput:" in capsys.readouterr().out
 
 

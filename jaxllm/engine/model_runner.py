@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -114,6 +115,10 @@ class ModelRunner:
         self._forward_exe: dict[StepShape, object] = {}
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
+        # Largest temporary device memory of any compiled forward or sampler (XLA's plan): the
+        # step's transient peak on top of weights and pool.
+        self.max_step_temp_bytes = 0
+        self._compile_lock = threading.Lock()
         self._copy = jax.jit(lambda pool, src, dst: pool.copy_blocks(src, dst),
                              donate_argnums=(0,))
         self._write_blocks = jax.jit(lambda pool, ids, k, v: pool.write_blocks(ids, k, v),
@@ -154,6 +159,12 @@ class ModelRunner:
         jax.block_until_ready(self.kv_pool)
         return time.perf_counter() - start
 
+    def _count_compilation(self, exe) -> None:
+        temp = int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
+        with self._compile_lock:  # warm-up compiles from several threads
+            self.num_compilations += 1
+            self.max_step_temp_bytes = max(self.max_step_temp_bytes, temp)
+
     def _forward_executable(self, shape: StepShape):
         exe = self._forward_exe.get(shape)
         if exe is None:
@@ -163,7 +174,7 @@ class ModelRunner:
             exe = self._forward.lower(self.model.params, pool, batch, self._no_prev_tokens,
                                       batch.input_ids).compile()
             self._forward_exe[shape] = exe
-            self.num_compilations += 1
+            self._count_compilation(exe)
         return exe
 
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
@@ -174,7 +185,7 @@ class ModelRunner:
             md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
             exe = self._sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe
-            self.num_compilations += 1
+            self._count_compilation(exe)
             if self.num_steps:
                 logger.info("compiled sampler variant rows=%d penalty_width=%d %s", rows,
                             width, variant)
