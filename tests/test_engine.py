@@ -226,3 +226,13 @@ def test_engine_through_the_interpreted_pallas_kernels(model):
     for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
         assert out.outputs[0].token_ids == reference(tuple(prompt), m)
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_activation_plan_is_compiled_for_either_pool(model, unroll_layers):
+    """The GPU memory plan subtracts the largest step's temporaries (compiled, never run)."""
+    from jaxllm.engine.memory import activation_bytes
+
+    small = activation_bytes(model, 16, 4, 8, "reference", unroll_layers)
+    large = activation_bytes(model, 256, 8, 8, "reference", unroll_layers)
+    assert 0 < small < large
