@@ -35,7 +35,7 @@ case $STAGE in
       timeout "$LIMIT" $PY -m benchmarks latency --model "$MODEL" --load-format dummy \
         --dtype bfloat16 --batch-sizes 1,32,256 --context-len 1024 $unroll --no-progress \
         --output-json "$OUT/latency_${MODEL}${unroll#--}.json" "$@" 2>&1 \
-        | grep -v "^WARNING\|^I0000" | tail -8
+        | grep -v "^WARNING\|^I0000" | tail -12
     done ;;
   kernel-tests)
     timeout "$LIMIT" $PY -m pytest tests/test_paged_attention_kernels.py -m gpu \
