@@ -93,7 +93,7 @@ case $STAGE in
     for f in $(ls -S /tmp/hlo/*jit_step*after_optimizations.txt | head -1); do
       echo "== $f"; grep -c "" "$f"
       echo "-- copies of pool-shaped or larger buffers:"
-      grep -E " (copy|copy-start|transpose)\(" "$f" | grep -E "\[${POOL_DIM0:-32},[0-9]{4,}" | cut -c1-300 | head -20
+      grep -E " (copy|copy-start|transpose)\(" "$f" | grep -E "\[[0-9]+,[0-9]{4,}," | cut -c1-300 | head -20
       base=${f%after_optimizations.txt}
       head -24 "${base}"*memory-usage-report.txt
       echo "-- allocations of 1 GB or more:"
