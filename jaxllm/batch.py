@@ -64,9 +64,6 @@ class KVPool:
     def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
         return KVPool(k=self.k.at[:, ids].set(k), v=self.v.at[:, ids].set(v))
 
-    def copy_blocks(self, src: jax.Array, dst: jax.Array) -> KVPool:
-        return KVPool(k=self.k.at[:, dst].set(self.k[:, src]),
-                      v=self.v.at[:, dst].set(self.v[:, src]))
 
 
 @flax.struct.dataclass
@@ -122,11 +119,15 @@ class LayeredKVPool:
         return LayeredKVPool(k=tuple(x.at[:, ids].set(k[i:i + 1]) for i, x in enumerate(self.k)),
                              v=tuple(x.at[:, ids].set(v[i:i + 1]) for i, x in enumerate(self.v)))
 
-    def copy_blocks(self, src: jax.Array, dst: jax.Array) -> LayeredKVPool:
-        return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), self)
 
 
 AnyKVPool = KVPool | LayeredKVPool
+
+
+def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
+    """Blocks ``src`` (i32[n]) copied onto ``dst`` in every layer, for either pool layout (block
+    is axis 1 of every array). Padding pairs are (0, 0): the null block copied onto itself."""
+    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pool)
 
 
 @flax.struct.dataclass

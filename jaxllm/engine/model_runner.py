@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import AnyKVPool, BatchMetadata, KVPool, LayeredKVPool
+from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool, copy_blocks
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.sampler import (
     SamplerOutput,
@@ -88,7 +88,9 @@ class ModelRunner:
         pool_type = LayeredKVPool if unroll_layers else KVPool
         self.kv_pool = pool_type.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
                                        cfg.num_key_value_heads, cfg.head_dim, model.dtype)
-        self._pool_spec: AnyKVPool | None = None  # set while warm-up holds no pool
+        # Executables are compiled against the pool's shapes, also while warm-up frees it.
+        self._pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                       self.kv_pool)
         self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
@@ -119,8 +121,7 @@ class ModelRunner:
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
         self._compile_lock = threading.Lock()
-        self._copy = jax.jit(lambda pool, src, dst: pool.copy_blocks(src, dst),
-                             donate_argnums=(0,))
+        self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
         self._write_blocks = jax.jit(lambda pool, ids, k, v: pool.write_blocks(ids, k, v),
                                      donate_argnums=(0,))
         self._read_blocks = jax.jit(lambda pool, ids: pool.read_blocks(ids))
@@ -132,9 +133,9 @@ class ModelRunner:
         parallel threads: XLA releases the GIL); returns the seconds spent."""
         from concurrent.futures import ThreadPoolExecutor
 
-        workers = workers or max(4, min(16, os.cpu_count() or 1))
         from tqdm.auto import tqdm
 
+        workers = workers or max(4, min(16, os.cpu_count() or 1))
         start = time.perf_counter()
         jobs = [(self._forward_executable, shape) for shape in self.buckets.all_shapes()]
         jobs += [(self._sampler_executable, (rows, 0, variant))
@@ -142,8 +143,6 @@ class ModelRunner:
                  for variant in WARM_SAMPLER_VARIANTS]
         # The pool is released while compiling: XLA's GEMM autotuner allocates operand-sized
         # scratch buffers (a stacked weight is GBs), one set per compiling thread.
-        pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
-        self._pool_spec = pool_spec
         jax.tree.map(lambda x: x.delete(), self.kv_pool)
         self.kv_pool = None
         with ThreadPoolExecutor(workers) as pool, tqdm(
@@ -151,8 +150,7 @@ class ModelRunner:
                 unit="graph") as bar:
             for _ in pool.map(lambda job: job[0](job[1]), jobs):
                 bar.update(1)
-        self.kv_pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), pool_spec)
-        self._pool_spec = None
+        self.kv_pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._pool_spec)
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
             self.kv_pool = self._copy(self.kv_pool, ids, ids)
@@ -168,11 +166,9 @@ class ModelRunner:
     def _forward_executable(self, shape: StepShape):
         exe = self._forward_exe.get(shape)
         if exe is None:
-            pool = self._pool_spec or jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), self.kv_pool)
             batch = self._empty_batch(shape)
-            exe = self._forward.lower(self.model.params, pool, batch, self._no_prev_tokens,
-                                      batch.input_ids).compile()
+            exe = self._forward.lower(self.model.params, self._pool_spec, batch,
+                                      self._no_prev_tokens, batch.input_ids).compile()
             self._forward_exe[shape] = exe
             self._count_compilation(exe)
         return exe
