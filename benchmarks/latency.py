@@ -26,6 +26,7 @@ and the roofline is the larger of the two.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -164,6 +165,10 @@ def run(args: argparse.Namespace) -> dict:
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
     unroll = args.unroll_layers
+    if unroll:  # as the engine runs it: one param tree per layer
+        from jaxllm.models.llama import unstack_layer_params
+
+        model = dataclasses.replace(model, params=unstack_layer_params(model.params))
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):

@@ -9,6 +9,7 @@ import pytest
 from tiny_models import TINY_CONFIGS, PagedRunner, random_params
 
 from jaxllm import LayeredKVPool, SeqChunk, pack_batch
+from jaxllm.models.llama import unstack_layer_params
 
 SEQ_LEN = 23
 ATOL = 2e-5
@@ -109,3 +110,13 @@ def test_layered_pool_unrolls_the_layers_with_the_same_logits_and_cache():
     loops = lambda runner: runner.forward.lower(params, runner.pool, batch).as_text().count(
         "stablehlo.while")
     assert loops(unrolled) == loops(looped) - 1  # no layer loop: straight-line layers
+    # One param tree per layer (what the engine passes when unrolled): same numbers, and the
+    # program takes whole per-layer weights instead of slicing the stacked ones.
+    per_layer = unstack_layer_params(params)
+    assert len(per_layer["layers"]) == cfg.num_hidden_layers
+    fresh = PagedRunner(cfg, per_layer, pool_type=LayeredKVPool)
+    np.testing.assert_allclose(fresh.run(ids, chunks, table(6)),
+                               looped.run(ids, chunks, table(6)), atol=1e-5)
+    slices = lambda p: fresh.forward.lower(p, fresh.pool, batch).as_text().count(
+        "stablehlo.slice")
+    assert slices(per_layer) < slices(params)

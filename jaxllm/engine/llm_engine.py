@@ -30,6 +30,7 @@ from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
+from jaxllm.models.llama import unstack_layer_params
 
 logger = logging.getLogger(__name__)
 # A launched step: what was scheduled, its device result, each sample row's token position.
@@ -75,6 +76,8 @@ class LLMEngine:
         if model is None:
             model = load_model(config.model, dtype=config.dtype,
                                load_format=config.load_format, seed=config.seed)
+        if config.unroll_layers:
+            model = dataclasses.replace(model, params=unstack_layer_params(model.params))
         self.model = model
         self.tokenizer = model.tokenizer
         model_len = model.config.max_position_embeddings

@@ -119,14 +119,16 @@ class LlamaForCausalLM(nn.Module):
         hidden = embed(batch.input_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, batch.positions)  # [T, D] each
         if isinstance(kv_pool, LayeredKVPool):
-            # The scanned stack's params, one layer at a time (a slice XLA fuses into the
-            # matmuls); each layer is layer 0 of its own one-layer pool.
-            stacked = self.variables["params"]["layers"]
+            # Each layer is layer 0 of its own one-layer pool. Its params: one tree per layer
+            # (unstack_layer_params), else a slice of the scanned stack's.
+            layers = self.variables["params"]["layers"]
             layer = DecoderLayer(cfg, self.dtype, self.attention_backend)
             for i in range(cfg.num_hidden_layers):
+                params = (layers[i] if isinstance(layers, (tuple, list))
+                          else jax.tree.map(lambda x, i=i: x[i], layers))
                 (hidden, pool, _), _ = layer.apply(
-                    {"params": jax.tree.map(lambda x, i=i: x[i], stacked)},
-                    (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin, batch)
+                    {"params": params}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
+                    batch)
                 kv_pool = kv_pool.replace_layer(i, pool)
         else:
             layers = nn.scan(
@@ -160,6 +162,24 @@ def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
         return model.apply({"params": params}, kv_pool, batch)
 
     return forward
+
+
+def unstack_layer_params(params: Any) -> Any:
+    """``params`` with the scanned stack's ``layers`` (leaves [L, ...]) as a tuple of L
+    per-layer trees, for the unrolled stack. Sliced from the stack inside the step, every
+    layer's matmul is a different fusion to XLA (the slice offset is part of it), so its GEMM
+    autotuner runs once per layer and bucket; over whole arrays the L layers' fusions are
+    identical and are tuned once. Returns new arrays; the stacked ones are freed once
+    unreferenced."""
+    stacked = params["layers"]
+    if isinstance(stacked, (tuple, list)):
+        return params
+    leaves, treedef = jax.tree.flatten(stacked)
+    num_layers = leaves[0].shape[0]
+    per_leaf = [[leaf[i] for i in range(num_layers)] for leaf in leaves]
+    layers = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf])
+                   for i in range(num_layers))
+    return {**params, "layers": layers}
 
 
 def param_shapes(config: ModelConfig, dtype: Dtype) -> Any:
