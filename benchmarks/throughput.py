@@ -26,6 +26,7 @@ counters), and the parent prints them side by side and writes one JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -272,6 +273,12 @@ def run_one(backend: str, args) -> dict:
 
         model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                                   seed=args.seed)
+        if backend == "jaxllm" and args.unroll_layers:
+            # Unstacked here, not in the engine, so that the stacked copy is freed (this
+            # function would otherwise hold it, and peak memory would count both).
+            from jaxllm.models.llama import unstack_layer_params
+
+            model = dataclasses.replace(model, params=unstack_layer_params(model.params))
         requests = _requests(args, model.config)
         run = run_jaxllm if backend == "jaxllm" else run_jax_static
         extra = run(model, requests, args)
