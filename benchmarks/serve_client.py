@@ -137,7 +137,11 @@ async def run_benchmark(base_url: str, model: str | None, requests: list[Request
     from tqdm.auto import tqdm
 
     timeout = aiohttp.ClientTimeout(total=6 * 3600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # aiohttp's default connector holds at most 100 connections: at rate inf the rest would
+    # queue in this client (measured as TTFT) instead of at the server. Only
+    # --max-concurrency limits what is in flight (+1: the /metrics scraper).
+    connector = aiohttp.TCPConnector(limit=max_concurrency + 1 if max_concurrency else 0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         if model is None:
             async with session.get(base_url + "/v1/models") as response:
                 model = (await response.json())["data"][0]["id"]

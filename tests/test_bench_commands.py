@@ -182,3 +182,62 @@ def test_serve_against_a_live_server(tiny_server, tmp_path, rate, capsys):
     assert 0 <= r["peak_kv_cache_usage_perc"] <= 1 and r["num_preemptions"] == 0
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "Successful requests:" in capsys.readouterr().out
+
+
+def test_serve_client_keeps_every_request_in_flight_at_rate_inf():
+    """At rate inf nothing but --max-concurrency limits the requests in flight (aiohttp's
+    default connector would hold 100 and queue the rest in the client)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from benchmarks.datasets import Request
+    from benchmarks.serve_client import run_benchmark
+
+    num = 130
+    in_flight = {"now": 0, "max": 0}
+    everyone_in = asyncio.Event()
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "fake"}]})
+
+    async def completions(request):
+        body = await request.json()
+        warm_up = body["max_tokens"] == 4
+        in_flight["now"] += 1
+        in_flight["max"] = max(in_flight["max"], in_flight["now"])
+        if in_flight["now"] >= num:
+            everyone_in.set()
+        try:
+            if not warm_up:  # hold every request until all are open (or give up after 20 s)
+                await asyncio.wait_for(everyone_in.wait(), 20)
+        except TimeoutError:
+            pass
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(body["max_tokens"]):
+            chunk = {"choices": [{"text": f"t{i}"}], "usage": {"completion_tokens": i + 1}}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        in_flight["now"] -= 1
+        return response
+
+    async def main():
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions),
+                        web.get("/metrics", lambda r: web.Response(text=""))])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            requests = [Request([1, 2, 3], 5) for _ in range(num)]
+            return await run_benchmark(f"http://127.0.0.1:{port}", None, requests,
+                                       progress=False, scrape_interval=5)
+        finally:
+            await runner.cleanup()
+
+    traces, _ = asyncio.run(main())
+    assert all(t.success and t.output_tokens == 5 for t in traces)
+    assert in_flight["max"] == num
