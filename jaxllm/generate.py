@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.batch import BatchMetadata, KVPool, slots_for_positions
+from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import make_forward
 from jaxllm.sampling import sample_tokens
@@ -63,8 +63,11 @@ def generate(
     forward = make_forward(config, dtype, attention_backend)
     width = -(-(prompt_width + max_new_tokens) // block_size)
     tables = 1 + jnp.arange(batch_size * width, dtype=jnp.int32).reshape(batch_size, width)
-    kv_pool = KVPool.zeros(config.num_hidden_layers, 1 + batch_size * width, block_size,
-                           config.num_key_value_heads, config.head_dim, dtype)
+    # Params unstacked per layer (unstack_layer_params) run the unrolled stack over a
+    # per-layer pool, as the engine does with unroll_layers; stacked params run the scan.
+    pool_type = LayeredKVPool if isinstance(params["layers"], (tuple, list)) else KVPool
+    kv_pool = pool_type.zeros(config.num_hidden_layers, 1 + batch_size * width, block_size,
+                              config.num_key_value_heads, config.head_dim, dtype)
     lens = prompt_lens.astype(jnp.int32)
     as_rows = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (batch_size,))
     temperature = as_rows(temperature, jnp.float32)

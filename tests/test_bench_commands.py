@@ -41,8 +41,9 @@ def _tiny_args(config: str) -> list[str]:
     return ["--model", config, "--load-format", "dummy", "--dtype", "float32", "--no-progress"]
 
 
-@pytest.mark.parametrize("backend", ["jaxllm", "jax-static"])
-def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, capsys,
+@pytest.mark.parametrize("backend, layers", [("jaxllm", []), ("jax-static", []),
+                                             ("jax-static", ["--unroll-layers"])])
+def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, layers, capsys,
                                               monkeypatch):
     # A device with memory statistics (CPU has none): held bytes come from them, and the
     # reported peak adds the compiled step's temporaries (the raw JAX peak is kept aside).
@@ -54,7 +55,7 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, ca
                      "--dataset-name", "random", "--num-prompts", "6", "--input-len", "20",
                      "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "64", "--max-model-len", "256",
-                     "--enforce-eager", "--n", "2", "--output-json", str(out)])
+                     "--enforce-eager", "--n", "2", *layers, "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())["results"][backend]
     assert r["num_requests"] == 6 and r["generated_tokens"] == r["total_output_tokens"]

@@ -10,6 +10,7 @@ from tiny_models import TINY_CONFIGS, PagedRunner, random_params
 
 import jaxllm
 from jaxllm import SeqChunk
+from jaxllm.models.llama import unstack_layer_params
 
 CFG = TINY_CONFIGS["llama3_rope_scaling"]
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1], [7, 7, 21], [100, 2, 64, 33, 90]]
@@ -53,6 +54,18 @@ def test_generate_inside_user_jit_equals_step_by_step(params):
     for i, prompt in enumerate(PROMPTS):
         assert np.asarray(tokens[i]).tolist() == greedy_step_by_step(params, prompt, MAX_NEW)
     assert np.all(np.asarray(total_logprob) < 0)
+
+
+def test_per_layer_params_run_the_unrolled_stack_with_the_same_samples(params):
+    per_layer = unstack_layer_params(params)
+    run = lambda p: jaxllm.generate(p, *padded(PROMPTS), jax.random.key(3), config=CFG,
+                                    max_new_tokens=MAX_NEW, temperature=0.8, block_size=4)
+    scanned, unrolled = run(params), run(per_layer)
+    np.testing.assert_array_equal(unrolled.tokens, scanned.tokens)
+    np.testing.assert_allclose(unrolled.logprobs, scanned.logprobs, atol=1e-5)
+    loops = lambda p: jax.jit(lambda p: run(p).tokens).lower(p).as_text().count(
+        "stablehlo.while")
+    assert loops(per_layer) == loops(params) - 2  # no layer loop in prefill nor decode
 
 
 def test_eos_stops_a_row_and_pads_after_it(params):
