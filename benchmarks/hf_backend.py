@@ -25,27 +25,65 @@ import time
 
 def run_hf(requests, *, hf_python: str, model: str | None, hf_config: dict | None,
            dtype: str, batch_size: int, n: int = 1, seed: int = 0,
-           progress: bool = True, timeout: float | None = None) -> dict:
+           progress: bool = True, timeout: float | None = None,
+           devices: list[str] | None = None) -> dict:
     """Runs the child; ``model`` (a HF directory, real weights) or ``hf_config`` (random
-    weights of that shape). Returns the child's result dict (see :func:`child_main`)."""
-    job = {"requests": [[list(r.prompt_ids), r.output_len] for r in requests], "model": model,
-           "hf_config": hf_config, "dtype": dtype, "batch_size": batch_size, "n": n,
-           "seed": seed, "progress": progress}
+    weights of that shape). Returns the child's result dict (see :func:`child_main`).
+
+    With several ``devices`` (CUDA ids), the static batches are dealt round-robin to one child
+    per device, run at the same time. Static batches are independent, so one device would take
+    the sum of the children's times: ``elapsed_s`` is that sum (``wall_s`` is what the run
+    took), and ``peak_memory_bytes`` the largest child's."""
+    batches = [requests[i:i + batch_size] for i in range(0, len(requests), batch_size)]
+    devices = list(devices or [None])[:max(1, len(batches))]
+    # A shard keeps whole batches, in order, so its child cuts the same batches again.
+    shards = [[r for b in batches[k::len(devices)] for r in b] for k in range(len(devices))]
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
-        with open(src, "w") as f:
-            json.dump(job, f)
         # Run a copy: from benchmarks/ the script's folder would shadow packages
         # (datasets, metrics) that transformers imports.
         script = os.path.join(tmp, "hf_backend_child.py")
         shutil.copyfile(os.path.abspath(__file__), script)
-        proc = subprocess.run([hf_python, script, src, dst],
-                              timeout=timeout, stdout=subprocess.PIPE, stderr=None, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"hf backend ({hf_python}) exited with {proc.returncode}: "
-                               f"{proc.stdout[-2000:]}")
-        with open(dst) as f:
-            return json.load(f)
+        children = []
+        for k, (device, shard) in enumerate(zip(devices, shards, strict=True)):
+            src, dst = os.path.join(tmp, f"job{k}.json"), os.path.join(tmp, f"result{k}.json")
+            job = {"requests": [[list(r.prompt_ids), r.output_len] for r in shard],
+                   "model": model, "hf_config": hf_config, "dtype": dtype,
+                   "batch_size": batch_size, "n": n, "seed": seed + k,
+                   "progress": progress and k == 0}
+            with open(src, "w") as f:
+                json.dump(job, f)
+            env = dict(os.environ) | ({} if device is None else {"CUDA_VISIBLE_DEVICES": device})
+            children.append((subprocess.Popen([hf_python, script, src, dst], env=env,
+                                              stdout=subprocess.PIPE, text=True), dst))
+        results = []
+        for proc, dst in children:
+            try:
+                out, _ = proc.communicate(
+                    timeout=None if timeout is None
+                    else max(1.0, timeout - (time.perf_counter() - start)))
+            except subprocess.TimeoutExpired:
+                for other, _ in children:
+                    other.kill()
+                raise
+            if proc.returncode != 0:
+                for other, _ in children:
+                    other.kill()
+                raise RuntimeError(f"hf backend ({hf_python}) exited with {proc.returncode}: "
+                                   f"{(out or '')[-2000:]}")
+            with open(dst) as f:
+                results.append(json.load(f))
+    if len(results) == 1:
+        return results[0]
+    combined = dict(results[0])
+    combined.update(
+        elapsed_s=sum(r["elapsed_s"] for r in results),
+        wall_s=time.perf_counter() - start,
+        peak_memory_bytes=max(r["peak_memory_bytes"] for r in results),
+        shards=[{"device": d, "num_requests": len(s), "elapsed_s": r["elapsed_s"],
+                 "peak_memory_bytes": r["peak_memory_bytes"]}
+                for d, s, r in zip(devices, shards, results, strict=True)])
+    return combined
 
 
 def _peak_rss_bytes() -> int:

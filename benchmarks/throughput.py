@@ -73,6 +73,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="interpreter with torch + transformers (default: this one)")
     h.add_argument("--hf-max-batch-size", type=int, default=None,
                    help="static batch size (default: --max-num-seqs, else 256)")
+    h.add_argument("--hf-devices", default=None,
+                   help="comma-separated GPU ids: hf's static batches dealt round-robin to one "
+                   "process per GPU, run at the same time; its time is the sum of theirs (what "
+                   "one GPU would take), so a long hf baseline fits in less wall time")
     parser.add_argument("--devices", default=None,
                         help="comma-separated GPU ids: backend i runs on device i %% count, "
                         "backends on different devices at the same time (e.g. 0,1: jaxllm and "
@@ -262,7 +266,9 @@ def run_one(backend: str, args) -> dict:
         extra = run_hf(requests, hf_python=args.hf_python, model=args.model if real else None,
                        hf_config=None if real else hf_config_dict(cfg), dtype=args.dtype,
                        batch_size=args.hf_max_batch_size or args.max_num_seqs or 256,
-                       n=args.n, seed=args.seed, progress=not args.no_progress)
+                       n=args.n, seed=args.seed, progress=not args.no_progress,
+                       devices=[d.strip() for d in (args.hf_devices or "").split(",")
+                                if d.strip()] or None)
         extra["generated_tokens"] = sum(r.output_len for r in requests) * args.n
         extra["kv_waste"] = None  # the HF dynamic cache grows by concatenation
         name = args.model

@@ -242,3 +242,32 @@ def test_serve_client_keeps_every_request_in_flight_at_rate_inf():
     traces, _ = asyncio.run(main())
     assert all(t.success and t.output_tokens == 5 for t in traces)
     assert in_flight["max"] == num
+
+
+def test_hf_batches_dealt_to_devices_and_their_times_summed(tmp_path):
+    """--hf-devices: whole static batches, round-robin, one child per device at the same time;
+    the reported time is the sum of the children's (one device runs the batches in turn)."""
+    from benchmarks.datasets import Request
+    from benchmarks.hf_backend import run_hf
+
+    child = tmp_path / "fake_child.py"  # stands in for torch: records what it was given
+    child.write_text(
+        "import json, os, sys\n"
+        "job = json.load(open(sys.argv[1]))\n"
+        "reqs = job['requests']\n"
+        "json.dump({'elapsed_s': 0.5 * len(reqs), 'peak_memory_bytes': 10 * len(reqs),\n"
+        "           'device': os.environ.get('CUDA_VISIBLE_DEVICES'), 'batch_size':\n"
+        "           job['batch_size'], 'seen': [r[1] for r in reqs]}, open(sys.argv[2], 'w'))\n")
+    python = tmp_path / "fake_python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {child} \"$2\" \"$3\"\n")
+    python.chmod(0o755)
+    requests = [Request([1, 2], output_len=i + 1) for i in range(10)]  # batches of 4, 4, 2
+    whole = run_hf(requests, hf_python=str(python), model=None, hf_config={}, dtype="float32",
+                   batch_size=4, progress=False)
+    assert whole["elapsed_s"] == 5.0 and whole["seen"] == list(range(1, 11))
+    split = run_hf(requests, hf_python=str(python), model=None, hf_config={}, dtype="float32",
+                   batch_size=4, progress=False, devices=["0", "1"])
+    assert split["elapsed_s"] == whole["elapsed_s"]  # 6 + 4 requests at 0.5 s each
+    assert split["peak_memory_bytes"] == 60 and split["wall_s"] > 0
+    assert [(s["device"], s["num_requests"]) for s in split["shards"]] == [("0", 6), ("1", 4)]
+    assert split["seen"] == [1, 2, 3, 4, 9, 10]  # device 0: batches 0 and 2, whole and in order
