@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxllm
+from benchmarks.provenance import source_commit
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.sampling_params import SamplingParams
@@ -113,8 +113,7 @@ def main() -> None:
     assert cont["generated_tokens"] == useful
     result = {
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": source_commit(),
         "device": f"{jax.devices()[0].device_kind} ({platform.processor() or platform.machine()}"
                   f", {os.cpu_count()} cores)",
         "model": model.name, "dtype": str(model.dtype), "args": vars(args),

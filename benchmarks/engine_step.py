@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import time
 
 # Let JAX's allocator reach what --gpu-memory-utilization asks for (its default stops at 75%).
@@ -26,6 +25,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxllm  # noqa: E402
+from benchmarks.provenance import source_commit
 from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 PHASES = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
@@ -88,8 +88,7 @@ def main() -> None:
     result = run_round(engine, args, "timed")
     record = {
         "date": datetime.date.today().isoformat(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
+        "commit": source_commit(),
         "device": jax.devices()[0].device_kind, "model": args.model, "dtype": str(model.dtype),
         "args": vars(args), **result,
     }

@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from benchmarks.provenance import source_commit
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> dict:
               f"{r['roofline_ms']:>13.3f}{r['pct_of_roofline']:>11.1f}%"
               f"{r['output_tokens_per_s']:>11.1f}")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "commit": source_commit(),
               "model": model.name, "dtype": model.dtype.name,
               "device": jax.devices()[0].device_kind, "weight_bytes": int(weight_bytes),
               "bandwidth_gbps": bandwidth, "bandwidth_source": how,

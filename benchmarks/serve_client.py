@@ -29,6 +29,7 @@ import numpy as np
 
 from benchmarks.datasets import Request, add_dataset_args, sample_requests
 from benchmarks.metrics import RequestTrace, parse_prometheus, print_summary, summarize
+from benchmarks.provenance import source_commit
 
 KV_USAGE_NAMES = ("jaxllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
                   "vllm:gpu_cache_usage_perc")
@@ -242,7 +243,8 @@ def run(args: argparse.Namespace) -> dict:
     rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
     name = args.result_filename or f"serve_{args.dataset_name}_rate{rate}_{stamp}.json"
     result |= {
-        "date": stamp, "base_url": base_url, "model_id": info["model_id"],
+        "date": stamp, "commit": source_commit(), "base_url": base_url,
+        "model_id": info["model_id"],
         "logprobs_sent": info["logprobs"],
         "args": {k: (str(v) if isinstance(v, float) and math.isinf(v) else v)
                  for k, v in vars(args).items() if k != "handler"},

@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from benchmarks.datasets import Request, add_dataset_args, sample_requests
+from benchmarks.provenance import source_commit
 
 BACKENDS = ("jaxllm", "hf", "jax-static")
 _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -398,8 +399,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{b} / hf output tokens/s: {ratio:.2f}x")
     summary = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True, cwd=_repo_root()).stdout.strip(),
+        "commit": source_commit(),
         "host": f"{platform.machine()}, {os.cpu_count()} cores",
         "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")},
         "results": results}

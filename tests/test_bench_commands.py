@@ -109,7 +109,7 @@ def test_latency_reports_percent_of_roofline(tiny_config, tmp_path, capsys):
                        "--bandwidth-gbps", "10", "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert [row["batch_size"] for row in r["rows"]] == [1, 3]
-    assert r["bandwidth_source"] == "given" and r["bandwidth_gbps"] == 10
+    assert r["bandwidth_source"] == "given" and r["bandwidth_gbps"] == 10 and r["commit"]
     for row in r["rows"]:
         assert row["step_ms"] > 0
         assert row["pct_of_roofline"] == pytest.approx(
@@ -271,3 +271,15 @@ def test_hf_batches_dealt_to_devices_and_their_times_summed(tmp_path):
     assert split["peak_memory_bytes"] == 60 and split["wall_s"] > 0
     assert [(s["device"], s["num_requests"]) for s in split["shards"]] == [("0", 6), ("1", 4)]
     assert split["seen"] == [1, 2, 3, 4, 9, 10]  # device 0: batches 0 and 2, whole and in order
+
+
+def test_results_name_the_source_they_ran(monkeypatch):
+    from benchmarks.provenance import source_commit
+
+    monkeypatch.delenv("JAXLLM_COMMIT", raising=False)
+    described = source_commit()  # a git checkout: a commit id, "-dirty" if the tree differs
+    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, cwd=ROOT).stdout.strip()
+    assert head in described
+    monkeypatch.setenv("JAXLLM_COMMIT", "abc1234")  # a copied tree whose .git lags behind
+    assert source_commit() == "abc1234"
