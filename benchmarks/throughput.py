@@ -153,6 +153,9 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
     engine = LLMEngine(config, model=model, progress=not args.no_progress)
+    phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
+              "device_wait_seconds")
+    before = {p: getattr(engine.stats, p) for p in phases} | {"steps": engine.stats.num_steps}
     start = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids), params=SamplingParams(
@@ -171,10 +174,16 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
                 held = max(held, _device_bytes_in_use() or 0)
     elapsed = time.perf_counter() - start
     s = engine.stats
+    steps = max(1, s.num_steps - before["steps"])
+    # Where a step's time goes: host work on the critical path (schedule, prepare, update),
+    # host work overlapped with the device (output), and waiting for the device.
+    step_ms = {p.removesuffix("_seconds") + "_ms": 1e3 * (getattr(s, p) - before[p]) / steps
+               for p in phases}
     memory = {} if held is None else {
         "generation_peak_bytes": held + engine.runner.max_step_temp_bytes,
         "held_bytes": held, "max_step_temp_bytes": engine.runner.max_step_temp_bytes}
     return {"elapsed_s": elapsed, "generated_tokens": produced, "steps": s.num_steps,
+            "step_ms": 1e3 * elapsed / steps, "step_phases_ms": step_ms,
             "kv_waste": 1 - s.kv_slots_used / max(1, s.kv_slots_reserved),
             "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
             "warm_up_s": getattr(engine, "warm_up_seconds", None), **memory,
@@ -342,6 +351,13 @@ def _print(result: dict) -> None:
           f"({result.get('peak_memory_kind', '')}); KV waste "
           f"{'n/a' if waste is None else f'{waste:.1%}'}; warm-up "
           f"{result.get('warm_up_s') or 0:.1f} s, timed {result['elapsed_time']:.1f} s")
+    if "step_phases_ms" in result:
+        ms = result["step_phases_ms"]
+        host = ms["schedule_ms"] + ms["prepare_ms"] + ms["update_ms"]
+        print(f"[{result['backend']}] {result['steps']} steps, {result['step_ms']:.2f} ms each: "
+              f"host critical path {host:.2f} ms (schedule {ms['schedule_ms']:.2f}, prepare "
+              f"{ms['prepare_ms']:.2f}, update {ms['update_ms']:.2f}), overlapped output "
+              f"{ms['output_ms']:.2f} ms, waiting on the device {ms['device_wait_ms']:.2f} ms")
 
 
 def _run_children(backends: list[str], args, tmp: str) -> dict:

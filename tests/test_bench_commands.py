@@ -64,7 +64,12 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
     assert r["held_bytes"] == 1000 and r["max_step_temp_bytes"] > 0
     assert r["peak_memory_bytes"] == 1000 + r["max_step_temp_bytes"]
     assert "jax_peak_bytes_in_use" in r
-    assert f"[{backend}] Throughput:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"[{backend}] Throughput:" in printed
+    if backend == "jaxllm":  # where each step's time went, the step count since the clock
+        ms = r["step_phases_ms"]
+        assert all(v >= 0 for v in ms.values()) and ms["schedule_ms"] > 0
+        assert sum(ms.values()) <= r["step_ms"] * 1.05 and "host critical path" in printed
 
 
 def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
