@@ -3,6 +3,10 @@
 A step's arrays have three sizes: T tokens, S sequences (= R sampled rows) and W block-table
 columns. Decode-only steps use T = S = a batch-size bucket (1, 2, 4, ..., max_num_seqs);
 steps holding any prompt chunk use T = a token bucket and S = min(T, the largest batch bucket).
+Token buckets are powers of two up to 256, then every 256 tokens (coarser past a 2048-token
+budget): past a few hundred tokens a step's matmuls are compute-bound, so a padded token costs
+as much as a real one, and a steady mix of ~256 decode rows plus a few prompt chunks would
+otherwise pad ~550 tokens to 1024.
 W is a power of two (the reference attention's cost grows with W) or, for kernels whose cost
 follows the real lengths, always the maximum.
 """
@@ -20,6 +24,12 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         size *= 2
     sizes.append(hi)
     return tuple(sorted(set(sizes)))
+
+
+def _token_sizes(hi: int) -> tuple[int, ...]:
+    step = 256 * max(1, -(-hi // (8 * 256)))  # at most ~8 large buckets: each one compiles
+    small = _powers_of_two(min(16, hi), min(step, hi))
+    return tuple(sorted({*small, *range(step, hi, step), hi}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +50,7 @@ class BucketSpec:
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
               bucket_table_width: bool) -> BucketSpec:
         batch = _powers_of_two(1, max_num_seqs)
-        tokens = _powers_of_two(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        tokens = _token_sizes(max_num_batched_tokens)
         widths = (_powers_of_two(min(4, max_blocks_per_seq), max_blocks_per_seq)
                   if bucket_table_width
                   else (max_blocks_per_seq,))
