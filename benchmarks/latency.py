@@ -50,8 +50,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-blocks", type=int, default=None,
                         help="KV pool size in blocks (default: just what the batch needs; an "
                         "engine-sized pool shows how the compiled step treats a large pool)")
-    parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=False,
-                        help="compile the layer stack unrolled (the engine's unroll_layers)")
+    parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="compile the layer stack unrolled (the engine's unroll_layers; "
+                        "default: on GPU, as the engine)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -166,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
-    unroll = args.unroll_layers
+    unroll = (jax.default_backend() == "gpu" if args.unroll_layers is None
+              else args.unroll_layers)
     if unroll:  # as the engine runs it: one param tree per layer
         from jaxllm.models.llama import unstack_layer_params
 

@@ -64,9 +64,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    e.add_argument("--unroll-layers", action="store_true",
-                        help="unrolled layer stack over a per-layer KV pool, for jaxllm and "
-                        "jax-static (the launch no longer blocks the host on GPU)")
+    e.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                   help="unrolled layer stack over a per-layer KV pool, for jaxllm and "
+                   "jax-static (default: on GPU, as the engine)")
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
     h = parser.add_argument_group("hf")
@@ -289,7 +289,8 @@ def run_one(backend: str, args) -> dict:
 
         model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                                   seed=args.seed)
-        if args.unroll_layers:
+        if args.unroll_layers or (args.unroll_layers is None
+                                  and jax.default_backend() == "gpu"):
             # jaxllm's engine and jax-static's generate() both unroll the layers over a
             # per-layer pool for per-layer params. Unstacked here, so that the stacked copy is
             # freed (this function would hold it, and peak memory would count both).

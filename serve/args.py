@@ -100,9 +100,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--cpu-kv-cache-space", type=float, default=4.0,
                         help="GiB for the KV pool when running on CPU")
     engine.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    engine.add_argument("--unroll-layers", action="store_true",
-                        help="unrolled layer stack over a per-layer KV pool (the launch no "
-                        "longer blocks the host on GPU; longer compiles)")
+    engine.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="unrolled layer stack over a per-layer KV pool (default: on GPU, "
+                        "where a looped stack's launch blocks the host; off elsewhere)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="compile step shapes on first use instead of warming them all up")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -236,3 +236,16 @@ def test_activation_plan_is_compiled_for_either_pool(model, unroll_layers):
     small = activation_bytes(model, 16, 4, 8, "reference", unroll_layers)
     large = activation_bytes(model, 256, 8, 8, "reference", unroll_layers)
     assert 0 < small < large
+
+
+def test_layers_unroll_by_default_only_on_gpu(model):
+    scanned = make_engine(model)  # this machine has no GPU
+    assert scanned.config.unroll_layers is False
+    assert isinstance(scanned.runner.kv_pool, jaxllm.KVPool)
+    assert not isinstance(scanned.model.params["layers"], tuple)
+    unrolled = make_engine(model, unroll_layers=True)
+    assert isinstance(unrolled.runner.kv_pool, jaxllm.LayeredKVPool)
+    # One param tree per layer (whole arrays for each layer's matmuls); the caller's model
+    # keeps its stacked params.
+    assert len(unrolled.model.params["layers"]) == CFG.num_hidden_layers
+    assert not isinstance(model.params["layers"], tuple)

@@ -39,6 +39,9 @@ def test_vllm_flags_map_onto_the_engine_config():
     defaults, server = configs()
     assert defaults.model is None and server.port == 8000 and server.api_key is None
     assert configs("--max-model-len", "64")[0].max_model_len == 64
+    # Unrolled layers: the engine decides by platform unless told either way.
+    assert [configs(*flag)[0].unroll_layers for flag in
+            ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
 
 
 def test_api_key_and_memory_monitor_come_from_the_environment():

@@ -42,11 +42,12 @@ class EngineConfig:
     attention_backend: str = "auto"
     # Schedule and launch step k+1 before step k's samples reach the host (hides host time).
     async_scheduling: bool = True
-    # Compile the layer stack unrolled, over a per-layer KV pool, rather than as a loop. On the
-    # H200 an unrolled decode step was 1.4-2.3x faster and its launch did not block the host,
-    # but with a stacked engine-sized pool XLA planned over twice the pool's memory (RESULTS.md,
-    # issue 6); the per-layer pool is meant to avoid that and is not yet measured on a GPU.
-    unroll_layers: bool = False
+    # Compile the layer stack unrolled, over a per-layer KV pool and per-layer params, rather
+    # than as a loop. On the H200 an unrolled decode step was 1.4-2.3x faster and its launch
+    # did not block the host; with the per-layer pool an engine-sized pool needs no temporary
+    # copy (RESULTS.md, issue 6). None: unrolled on GPU, scanned elsewhere (CPU compiles of the
+    # unrolled stack are slow, and its launch cost matters only on accelerators).
+    unroll_layers: bool | None = None
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:

@@ -76,6 +76,8 @@ class LLMEngine:
         if model is None:
             model = load_model(config.model, dtype=config.dtype,
                                load_format=config.load_format, seed=config.seed)
+        if config.unroll_layers is None:
+            config = config.replace(unroll_layers=jax.default_backend() == "gpu")
         if config.unroll_layers:
             model = dataclasses.replace(model, params=unstack_layer_params(model.params))
         self.model = model
