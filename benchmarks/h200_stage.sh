@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One stage of the H200 measurements, each bounded by its own timeout, logs under $OUT.
 # Usage (repo root, GPU machine): OUT=/dir bash benchmarks/h200_stage.sh STAGE [SECONDS] [ARGS...]
+# The device's copy of .git lags the tree: put JAXLLM_COMMIT=<commit computed here> in front so
+# that result JSONs name the right source.
 # Stages:
 #   env               device, driver, versions
 #   latency MODEL     decode step at batch 1/32/256, ctx 1k, layers scanned and unrolled
 #   kernel-tests      pytest -m gpu over the kernel test classes (ARGS: extra pytest args)
 #   kernels           benchmarks/kernels.py (ARGS: its flags)
+#   mixed-step        benchmarks/mixed_step.py: a mixed step's attention, prefill kernel alone
+#                     vs decode + prefill kernels (ARGS: its flags)
 #   engine-step MODEL benchmarks/engine_step.py, async, default backend (ARGS: its flags)
 #   throughput MODEL  python -m benchmarks throughput (ARGS: its flags; --model is set)
 #   serve MODEL RATES python -m serve in the background, bench serve at each rate (ARGS: server
@@ -47,6 +51,9 @@ case $STAGE in
       > "$OUT/kernels.log" 2>&1
     echo "kernels rc=$?"
     grep -v "^  sweep\|^  prefill\|^decode {" "$OUT/kernels.log" | tail -30 ;;
+  mixed-step)
+    timeout "$LIMIT" $PY benchmarks/mixed_step.py --out "$OUT/mixed_step.json" "$@" 2>&1 \
+      | grep -v "^WARNING\|^I0000" | tail -6 ;;
   engine-step)
     MODEL=$1; shift
     timeout "$LIMIT" $PY -m benchmarks.engine_step --model "$MODEL" --load-format dummy \

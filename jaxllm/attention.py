@@ -3,8 +3,9 @@
 ``backend`` is a static choice made by the model's owner:
 
 - "reference": the float32 XLA specification, any platform.
-- "pallas": the Pallas (Triton) GPU kernels: the decode kernel for decode-only batches, the
-  prefill kernel for everything else. Shapes the kernels cannot tile (a head dim or block size
+- "pallas": the Pallas (Triton) GPU kernels: the decode kernel for decode-only batches; for
+  everything else the decode kernel for each sequence's last token and the prefill kernel for
+  the rest (``paged_attention_mixed``). Shapes the kernels cannot tile (a head dim or block size
   that is not a power of two) use the reference.
 - "pallas_interpret": the same kernels run by the Pallas interpreter (CPU tests).
 - "auto": "pallas" on GPU, "reference" elsewhere.
@@ -18,7 +19,7 @@ from jaxllm.batch import BatchMetadata, KVPool
 from pallas_kernels.paged_attention import (
     kernels_support,
     paged_attention_decode,
-    paged_attention_prefill,
+    paged_attention_mixed,
     paged_attention_reference,
 )
 
@@ -75,7 +76,7 @@ def paged_attention(
             batch.query_start_loc, batch.positions)
     if backend == "reference" or not kernels_support(q, kv_pool.k, kv_pool.v):
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window)
-    kernel = paged_attention_decode if is_decode_batch(q, batch) else paged_attention_prefill
+    kernel = paged_attention_decode if is_decode_batch(q, batch) else paged_attention_mixed
     return kernel(*args, scale=scale, sliding_window=sliding_window,
                   interpret=backend == "pallas_interpret")
 

@@ -288,3 +288,16 @@ def test_results_name_the_source_they_ran(monkeypatch):
     assert head in described
     monkeypatch.setenv("JAXLLM_COMMIT", "abc1234")  # a copied tree whose .git lags behind
     assert source_commit() == "abc1234"
+
+
+def test_mixed_step_benchmark_smoke(tmp_path):
+    """benchmarks/mixed_step.py end to end in the Pallas interpreter at tiny sizes."""
+    from benchmarks.mixed_step import main as mixed_step_main
+
+    out = tmp_path / "mixed.json"
+    assert mixed_step_main(["--smoke", "--heads", "small_gqa", "--decodes", "5",
+                            "--max-context", "60", "--chunks", "20@0,4@30",
+                            "--padded-tokens", "40", "--layers", "2", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["real_tokens"] == 29 and r["max_abs_diff_mixed_vs_prefill"] < 1e-2
+    assert set(r["step_ms"]) == {"prefill_kernel", "mixed"} and r["mixed_speedup"] > 0

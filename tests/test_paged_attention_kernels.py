@@ -25,6 +25,7 @@ from pallas_kernels.paged_attention import (
     PrefillConfig,
     kernels_support,
     paged_attention_decode,
+    paged_attention_mixed,
     paged_attention_prefill,
     paged_attention_reference,
 )
@@ -134,11 +135,52 @@ class PrefillSuite:
         self.run(case, jnp.bfloat16)
 
 
+class MixedSuite:
+    """Decodes and last tokens through the decode kernel, the rest through the prefill kernel."""
+
+    INTERPRET = True
+
+    def run(self, case, dtype, **prefill):
+        kernel = functools.partial(paged_attention_mixed, interpret=self.INTERPRET,
+                                   prefill_config=PrefillConfig(**prefill),
+                                   decode_config=DecodeConfig(block_kv=32))
+        check(kernel, case, dtype)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "bf16"])
+    @pytest.mark.parametrize("heads", GRID_HEADS)
+    def test_mixed_batch(self, heads, dtype):
+        case = case_for(MIXED_CHUNKS, heads, 16, dtype, seed=5)
+        self.run(case, dtype)
+
+    def test_decodes_with_one_prompt_chunk_and_padding(self):
+        """The engine's steady state: many decodes, a chunk, padded tokens and empty slots."""
+        chunks = decode_chunks([1, 40, 300, 17, 1023, 5]) + [(64, 40)] + decode_chunks([9])
+        case = case_for(chunks, "small_gqa", 16, jnp.float32, extra_tokens=7, extra_seqs=2)
+        self.run(case, jnp.float32, block_q_rows=32, block_kv=32)
+
+    def test_only_decodes_and_only_chunks(self):
+        self.run(case_for(decode_chunks([3, 70]), "small_gqa", 8, jnp.float32), jnp.float32)
+        self.run(case_for([(0, 20), (30, 5)], "small_gqa", 8, jnp.float32), jnp.float32)
+
+    def test_sliding_window(self):
+        case = case_for(MIXED_CHUNKS, "small_gqa", 16, jnp.float32, sliding_window=37)
+        self.run(case, jnp.float32, block_q_rows=32, block_kv=32)
+
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+    def test_head_dim_128(self, dtype):
+        case = case_for([(0, 70), (40, 1), (99, 1), (5, 33)], "llama3_8b", 16, dtype)
+        self.run(case, dtype)
+
+
 class TestDecodeInterpret(DecodeSuite):
     INTERPRET = True
 
 
 class TestPrefillInterpret(PrefillSuite):
+    INTERPRET = True
+
+
+class TestMixedInterpret(MixedSuite):
     INTERPRET = True
 
 
@@ -164,6 +206,19 @@ class TestPrefillGPU(PrefillSuite):
 
     def test_long_chunks(self):
         case = case_for([(2048, 512), (0, 2048), (8000, 100)], "llama3_8b", 16, jnp.bfloat16)
+        self.run(case, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu_only
+class TestMixedGPU(MixedSuite):
+    INTERPRET = False
+
+    def test_engine_sized_step(self):
+        """~256 decodes over 1k contexts with two prompt chunks, Llama-3-8B heads."""
+        rng = np.random.default_rng(1)
+        chunks = decode_chunks(rng.integers(1, 1024, size=250).tolist()) + [(0, 300), (512, 64)]
+        case = case_for(chunks, "llama3_8b", 16, jnp.bfloat16, extra_tokens=100)
         self.run(case, jnp.bfloat16)
 
 

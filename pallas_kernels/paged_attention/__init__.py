@@ -3,13 +3,16 @@
 Every implementation has the signature of :func:`paged_attention_reference` (the spec):
 :func:`paged_attention_decode` (one query token per sequence, split-K) and
 :func:`paged_attention_prefill` (chunks of query tokens, causal over cached pages) are Pallas
-kernels for the Triton GPU backend; pass ``interpret=True`` to run them on CPU.
+kernels for the Triton GPU backend; :func:`paged_attention_mixed` runs both over one batch
+(decodes and last tokens through the first, the rest through the second); pass
+``interpret=True`` to run them on CPU.
 """
 
 from pallas_kernels.paged_attention.common import kernels_support
 from pallas_kernels.paged_attention.decode import DecodeConfig, paged_attention_decode
+from pallas_kernels.paged_attention.mixed import paged_attention_mixed
 from pallas_kernels.paged_attention.prefill import PrefillConfig, paged_attention_prefill
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
 __all__ = ["DecodeConfig", "PrefillConfig", "kernels_support", "paged_attention_decode",
-           "paged_attention_prefill", "paged_attention_reference"]
+           "paged_attention_mixed", "paged_attention_prefill", "paged_attention_reference"]

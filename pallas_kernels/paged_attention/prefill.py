@@ -54,8 +54,10 @@ class PrefillConfig:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
 
 
-def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int):
-    """(seq, t0, t1) i32[Q] for every query block; the padding tail is pseudo-sequence S."""
+def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int,
+                 skip_single_token_seqs: bool = False):
+    """(seq, t0, t1) i32[Q] for every query block; the padding tail is pseudo-sequence S.
+    With ``skip_single_token_seqs`` the blocks of one-token sequences are empty (t1 = t0)."""
     num_seqs = query_start_loc.shape[0] - 1
     starts = jnp.concatenate([query_start_loc.astype(jnp.int32),
                               jnp.full((1,), num_tokens, jnp.int32)])  # [S + 2]
@@ -67,6 +69,9 @@ def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int):
     owner = jnp.minimum(jnp.searchsorted(ends, block, side="right"), num_seqs)
     t0 = starts[owner] + (block - (ends[owner] - counts[owner])) * block_q
     t1 = jnp.minimum(t0 + block_q, starts[owner + 1])
+    if skip_single_token_seqs:
+        single = (owner < num_seqs) & (starts[owner + 1] - starts[owner] == 1)
+        t1 = jnp.where(single, t0, t1)
     used = block < ends[-1]
     return (jnp.minimum(owner, num_seqs - 1).astype(jnp.int32),
             jnp.where(used, t0, 0).astype(jnp.int32), jnp.where(used, t1, 0).astype(jnp.int32))
@@ -122,7 +127,8 @@ def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, h
     pltriton.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=tile_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret",
+                                             "skip_single_token_seqs"))
 def paged_attention_prefill(
     q: jax.Array,  # [T, Hq, D]
     k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
@@ -137,8 +143,11 @@ def paged_attention_prefill(
     sliding_window: int | None = None,
     config: PrefillConfig | None = None,
     interpret: bool = False,
+    skip_single_token_seqs: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype
-    """Same contract as :func:`paged_attention_reference`; any mix of chunks and decodes."""
+    """Same contract as :func:`paged_attention_reference`; any mix of chunks and decodes.
+    ``skip_single_token_seqs`` leaves the rows of one-token sequences unwritten (undefined),
+    for a caller that computes them elsewhere (:func:`paged_attention_mixed`)."""
     common.check_shapes(q, k_pool, v_pool)
     config = config or PrefillConfig()
     num_tokens, num_q_heads, head_dim = q.shape
@@ -148,7 +157,7 @@ def paged_attention_prefill(
     block_kv = max(config.block_kv, block_size)  # whole pages
 
     _, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
-    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, block_q)
+    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, block_q, skip_single_token_seqs)
     q_pad = common.pad_query(q, num_kv_heads, group_pad)  # [T, Hkv, G', D]
     whole = pl.BlockSpec()
     kernel = functools.partial(

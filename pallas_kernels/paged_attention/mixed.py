@@ -1,0 +1,54 @@
+"""Paged attention for batches that mix prompt chunks with decodes: the decode kernel takes
+every sequence's last query token (a decode's only one), the prefill kernel the other tokens.
+
+The prefill kernel gives each program up to ``block_q`` tokens of one sequence; a decode fills
+one token's rows of that tile and still pays the whole tile's matmuls over its context. In an
+engine step of ~256 decodes plus a few prompt chunks the decodes would then cost most of the
+step's attention; the decode kernel reads the same keys once per token with no tile to fill.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention.decode import DecodeConfig, paged_attention_decode
+from pallas_kernels.paged_attention.prefill import PrefillConfig, paged_attention_prefill
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "decode_config",
+                                             "prefill_config", "interpret"))
+def paged_attention_mixed(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    v_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    layer: jax.Array | int,  # i32[]
+    block_tables: jax.Array,  # i32[S, W]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S + 1]
+    positions: jax.Array,  # i32[T]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    decode_config: DecodeConfig | None = None,
+    prefill_config: PrefillConfig | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, Hq, D] in q.dtype
+    """Same contract as :func:`paged_attention_reference`; any mix of chunks and decodes."""
+    num_tokens = q.shape[0]
+    num_seqs = seq_lens.shape[0]
+    last = query_start_loc[1:] - 1  # [S] each sequence's last query token
+    has_tokens = last >= query_start_loc[:-1]  # [S] empty slots (padding) have none
+    last_token = jnp.clip(last, 0, num_tokens - 1)
+    decoded = paged_attention_decode(  # [S, Hq, D]: one query token per sequence
+        q[last_token], k_pool, v_pool, layer, block_tables,
+        jnp.where(has_tokens, seq_lens, 0), jnp.arange(num_seqs + 1, dtype=jnp.int32),
+        positions[last_token], scale=scale, sliding_window=sliding_window,
+        config=decode_config, interpret=interpret)
+    rest = paged_attention_prefill(
+        q, k_pool, v_pool, layer, block_tables, seq_lens, query_start_loc, positions,
+        scale=scale, sliding_window=sliding_window, config=prefill_config,
+        interpret=interpret, skip_single_token_seqs=True)
+    return rest.at[jnp.where(has_tokens, last, num_tokens)].set(decoded, mode="drop")
