@@ -47,9 +47,9 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
                                               monkeypatch):
     # A device with memory statistics (CPU has none): held bytes come from them, and the
     # reported peak adds the compiled step's temporaries (the raw JAX peak is kept aside).
-    import benchmarks.throughput as throughput
+    import benchmarks.jax_backends as jax_backends
 
-    monkeypatch.setattr(throughput, "_device_bytes_in_use", lambda: 1000)
+    monkeypatch.setattr(jax_backends, "device_bytes_in_use", lambda: 1000)
     out = tmp_path / "tp.json"
     rc = bench_main(["throughput", "--backend", backend, *_tiny_args(tiny_config),
                      "--dataset-name", "random", "--num-prompts", "6", "--input-len", "20",

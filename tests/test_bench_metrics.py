@@ -18,6 +18,7 @@ from benchmarks.datasets import (
     solve_mu,
     truncated_lognormal_mean,
 )
+from benchmarks.jax_backends import static_batches, static_kv_waste
 from benchmarks.metrics import (
     RequestTrace,
     parse_prometheus,
@@ -27,7 +28,6 @@ from benchmarks.metrics import (
     tpot,
 )
 from benchmarks.serve_client import request_intervals
-from benchmarks.throughput import static_batches, static_kv_waste
 
 
 def trace(start, chunk_times, tokens=None, prompt_len=10):
