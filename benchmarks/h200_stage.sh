@@ -17,6 +17,11 @@
 #   cache-save / cache-load TAR   carry the engine's XLA compilation cache between calls
 #   hlo MODEL         optimized HLO of one batch-256 decode step (pass --unroll-layers and
 #                     --pool-blocks N for the engine-sized case): pool copies, big allocations
+#   bg NAME CMD...    start CMD in its own session (it outlives this call while the machine
+#                     stays warm: the next call must come within its 30 s); log and exit code
+#                     under /tmp/bg. For runs longer than one call (hf's sharegpt baseline).
+#   bg-wait NAME      wait up to SECONDS for it, then copy its log, exit code and any files
+#                     it wrote under /tmp/bg/NAME/ to $OUT
 set -o pipefail
 STAGE=$1; LIMIT=${2:-300}; shift 2 || shift $#
 OUT=${OUT:-/tmp/h200}; mkdir -p "$OUT"
@@ -109,6 +114,19 @@ case $STAGE in
     done
     tar -C /tmp -czf "$OUT/hlo_dump.tgz" --exclude="*.o" --exclude="*.ptx" --exclude="*.ll" hlo \
       && ls -la "$OUT/hlo_dump.tgz" ;;
+  bg)
+    NAME=$1; shift; mkdir -p "/tmp/bg/$NAME"; rm -f "/tmp/bg/$NAME.rc"
+    setsid nohup bash -c "$*; echo \$? > /tmp/bg/$NAME.rc" > "/tmp/bg/$NAME.log" 2>&1 < /dev/null &
+    log "started $NAME: $*" ;;
+  bg-wait)
+    NAME=$1
+    until [ -f "/tmp/bg/$NAME.rc" ] || (( $(date +%s) - t0 > LIMIT )); do sleep 5; done
+    if [ -f "/tmp/bg/$NAME.rc" ]; then log "$NAME exited $(cat "/tmp/bg/$NAME.rc")"
+    else log "$NAME still running"; fi
+    tr '\r' '\n' < "/tmp/bg/$NAME.log" | grep -v "^W1\|^E1\|^I0000" | tail -15
+    cp "/tmp/bg/$NAME.log" "$OUT/bg_$NAME.log"
+    [ -n "$(ls -A "/tmp/bg/$NAME" 2>/dev/null)" ] && tar -C /tmp/bg -czf "$OUT/bg_$NAME.tgz" "$NAME"
+    true ;;
   *) echo "unknown stage $STAGE"; exit 2 ;;
 esac
 echo "== $STAGE done in $(( $(date +%s) - t0 )) s"
