@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> dict:
     if unroll:  # as the engine runs it: one param tree per layer
         from jaxllm.models.llama import unstack_layer_params
 
-        model = dataclasses.replace(model, params=unstack_layer_params(model.params))
+        model = dataclasses.replace(
+            model, params=unstack_layer_params(model.params, donate=True))
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):

@@ -162,7 +162,8 @@ def run_one(backend: str, args) -> dict:
             # freed (this function would hold it, and peak memory would count both).
             from jaxllm.models.llama import unstack_layer_params
 
-            model = dataclasses.replace(model, params=unstack_layer_params(model.params))
+            model = dataclasses.replace(
+                model, params=unstack_layer_params(model.params, donate=True))
         requests = _requests(args, model.config)
         from benchmarks.jax_backends import run_jax_static, run_jaxllm
 

@@ -73,13 +73,15 @@ class LLMEngine:
             os.makedirs(config.compilation_cache_dir, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        owns_model = model is None
         if model is None:
             model = load_model(config.model, dtype=config.dtype,
                                load_format=config.load_format, seed=config.seed)
         if config.unroll_layers is None:
             config = config.replace(unroll_layers=jax.default_backend() == "gpu")
-        if config.unroll_layers:
-            model = dataclasses.replace(model, params=unstack_layer_params(model.params))
+        if config.unroll_layers:  # a caller's model keeps its stacked params
+            model = dataclasses.replace(
+                model, params=unstack_layer_params(model.params, donate=owns_model))
         self.model = model
         self.tokenizer = model.tokenizer
         model_len = model.config.max_position_embeddings

@@ -164,19 +164,24 @@ def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
     return forward
 
 
-def unstack_layer_params(params: Any) -> Any:
+def unstack_layer_params(params: Any, *, donate: bool = False) -> Any:
     """``params`` with the scanned stack's ``layers`` (leaves [L, ...]) as a tuple of L
     per-layer trees, for the unrolled stack. Sliced from the stack inside the step, every
     layer's matmul is a different fusion to XLA (the slice offset is part of it), so its GEMM
     autotuner runs once per layer and bucket; over whole arrays the L layers' fusions are
-    identical and are tuned once. Returns new arrays; the stacked ones are freed once
-    unreferenced."""
+    identical and are tuned once. Returns new arrays. With ``donate`` (the caller owns
+    ``params``) each stacked leaf is deleted once sliced, so the copy needs one leaf of extra
+    device memory instead of all the layers' weights."""
     stacked = params["layers"]
     if isinstance(stacked, (tuple, list)):
         return params
     leaves, treedef = jax.tree.flatten(stacked)
     num_layers = leaves[0].shape[0]
-    per_leaf = [[leaf[i] for i in range(num_layers)] for leaf in leaves]
+    per_leaf = []
+    for leaf in leaves:
+        per_leaf.append(jax.block_until_ready([leaf[i] for i in range(num_layers)]))
+        if donate:
+            leaf.delete()
     layers = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf])
                    for i in range(num_layers))
     return {**params, "layers": layers}
