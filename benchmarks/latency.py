@@ -149,6 +149,7 @@ def run(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     import jaxllm
+    from jaxllm.engine.config import resolve_unroll_layers
 
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed)
@@ -167,8 +168,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
-    unroll = (jax.default_backend() == "gpu" if args.unroll_layers is None
-              else args.unroll_layers)
+    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
     if unroll:  # as the engine runs it: one param tree per layer
         from jaxllm.models.llama import unstack_layer_params
 

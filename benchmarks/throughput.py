@@ -152,11 +152,11 @@ def run_one(backend: str, args) -> dict:
         import jax
 
         import jaxllm
+        from jaxllm.engine.config import resolve_unroll_layers
 
         model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                                   seed=args.seed)
-        if args.unroll_layers or (args.unroll_layers is None
-                                  and jax.default_backend() == "gpu"):
+        if resolve_unroll_layers(args.unroll_layers, jax.default_backend()):
             # jaxllm's engine and jax-static's generate() both unroll the layers over a
             # per-layer pool for per-layer params. Unstacked here, so that the stacked copy is
             # freed (this function would hold it, and peak memory would count both).

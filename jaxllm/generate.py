@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
 from jaxllm.config import ModelConfig
-from jaxllm.models.llama import make_forward
+from jaxllm.models.llama import has_per_layer_params, make_forward
 from jaxllm.sampling import sample_tokens
 
 
@@ -65,7 +65,7 @@ def generate(
     tables = 1 + jnp.arange(batch_size * width, dtype=jnp.int32).reshape(batch_size, width)
     # Params unstacked per layer (unstack_layer_params) run the unrolled stack over a
     # per-layer pool, as the engine does with unroll_layers; stacked params run the scan.
-    pool_type = LayeredKVPool if isinstance(params["layers"], (tuple, list)) else KVPool
+    pool_type = LayeredKVPool if has_per_layer_params(params) else KVPool
     kv_pool = pool_type.zeros(config.num_hidden_layers, 1 + batch_size * width, block_size,
                               config.num_key_value_heads, config.head_dim, dtype)
     lens = prompt_lens.astype(jnp.int32)

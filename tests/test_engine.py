@@ -13,7 +13,7 @@ import pytest
 from tiny_models import TINY_CONFIGS, random_params
 
 import jaxllm
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.config import EngineConfig, resolve_unroll_layers
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.loading import LoadedModel
@@ -239,6 +239,9 @@ def test_activation_plan_is_compiled_for_either_pool(model, unroll_layers):
 
 
 def test_layers_unroll_by_default_only_on_gpu(model):
+    assert [resolve_unroll_layers(s, p) for s, p in [(None, "gpu"), (None, "cpu"),
+                                                     (False, "gpu"), (True, "cpu")]] == [
+        True, False, False, True]
     scanned = make_engine(model)  # this machine has no GPU
     assert scanned.config.unroll_layers is False
     assert isinstance(scanned.runner.kv_pool, jaxllm.KVPool)

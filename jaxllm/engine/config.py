@@ -84,6 +84,11 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def resolve_unroll_layers(setting: bool | None, platform: str) -> bool:
+    """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only."""
+    return platform == "gpu" if setting is None else setting
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     """What the scheduler needs, resolved: every limit is a concrete number."""

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
-from jaxllm.engine.config import EngineConfig, SchedulerConfig
+from jaxllm.engine.config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.memory import plan_kv_blocks
 from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
@@ -77,8 +77,8 @@ class LLMEngine:
         if model is None:
             model = load_model(config.model, dtype=config.dtype,
                                load_format=config.load_format, seed=config.seed)
-        if config.unroll_layers is None:
-            config = config.replace(unroll_layers=jax.default_backend() == "gpu")
+        config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
+                                                                    jax.default_backend()))
         if config.unroll_layers:  # a caller's model keeps its stacked params
             model = dataclasses.replace(
                 model, params=unstack_layer_params(model.params, donate=owns_model))

@@ -121,10 +121,11 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(kv_pool, LayeredKVPool):
             # Each layer is layer 0 of its own one-layer pool. Its params: one tree per layer
             # (unstack_layer_params), else a slice of the scanned stack's.
+            per_layer = has_per_layer_params(self.variables["params"])
             layers = self.variables["params"]["layers"]
             layer = DecoderLayer(cfg, self.dtype, self.attention_backend)
             for i in range(cfg.num_hidden_layers):
-                params = (layers[i] if isinstance(layers, (tuple, list))
+                params = (layers[i] if per_layer
                           else jax.tree.map(lambda x, i=i: x[i], layers))
                 (hidden, pool, _), _ = layer.apply(
                     {"params": params}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
@@ -164,6 +165,12 @@ def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
     return forward
 
 
+def has_per_layer_params(params: Any) -> bool:
+    """Whether ``params["layers"]`` is one tree per layer (:func:`unstack_layer_params`) rather
+    than the scanned stack's leaves [L, ...]."""
+    return isinstance(params["layers"], (tuple, list))
+
+
 def unstack_layer_params(params: Any, *, donate: bool = False) -> Any:
     """``params`` with the scanned stack's ``layers`` (leaves [L, ...]) as a tuple of L
     per-layer trees, for the unrolled stack. Sliced from the stack inside the step, every
@@ -172,10 +179,9 @@ def unstack_layer_params(params: Any, *, donate: bool = False) -> Any:
     identical and are tuned once. Returns new arrays. With ``donate`` (the caller owns
     ``params``) each stacked leaf is deleted once sliced, so the copy needs one leaf of extra
     device memory instead of all the layers' weights."""
-    stacked = params["layers"]
-    if isinstance(stacked, (tuple, list)):
+    if has_per_layer_params(params):
         return params
-    leaves, treedef = jax.tree.flatten(stacked)
+    leaves, treedef = jax.tree.flatten(params["layers"])
     num_layers = leaves[0].shape[0]
     per_leaf = []
     for leaf in leaves:
