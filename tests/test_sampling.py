@@ -37,3 +37,16 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
 def test_low_temperature_concentrates_and_zero_is_greedy():
     assert draws(temperature=0.05)[0] > 0.99
     assert draws(temperature=0.0)[0] == 1.0
+
+
+def test_without_top_k_or_top_p_the_draw_is_plain_categorical():
+    # No filter requested: the sort-free path must draw exactly what the unfiltered
+    # categorical draws with the same key, tail tokens included.
+    logits = jnp.log(jnp.array([[0.6, 0.4 - 1e-9, 1e-9], [0.2, 0.3, 0.5]]))
+    temperature = jnp.array([1.0, 0.7])
+    off = dict(top_k=jnp.array([0, 0]), top_p=jnp.array([1.0, 1.0]))
+    for seed in range(20):
+        key = jax.random.key(seed)
+        expected = jax.random.categorical(key, logits / temperature[:, None], axis=-1)
+        got = sample_tokens(logits, key, temperature, **off)
+        np.testing.assert_array_equal(got, expected)
