@@ -10,6 +10,8 @@
 #   kernels           benchmarks/kernels.py (ARGS: its flags)
 #   mixed-step        benchmarks/mixed_step.py: a mixed step's attention, prefill kernel alone
 #                     vs decode + prefill kernels (ARGS: its flags)
+#   generate-step MODEL  benchmarks/generate_step.py: generate()'s prefill and decode step vs
+#                     the output capacity (jax-static's cost) (ARGS: its flags)
 #   engine-step MODEL benchmarks/engine_step.py, async, default backend (ARGS: its flags)
 #   throughput MODEL  python -m benchmarks throughput (ARGS: its flags; --model is set)
 #   serve MODEL RATES python -m serve in the background, bench serve at each rate (ARGS: server
@@ -59,6 +61,10 @@ case $STAGE in
   mixed-step)
     timeout "$LIMIT" $PY benchmarks/mixed_step.py --out "$OUT/mixed_step.json" "$@" 2>&1 \
       | grep -v "^WARNING\|^I0000" | tail -6 ;;
+  generate-step)
+    MODEL=$1; shift
+    timeout "$LIMIT" $PY benchmarks/generate_step.py --model "$MODEL" \
+      --out "$OUT/generate_step_${MODEL}.json" "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -8 ;;
   engine-step)
     MODEL=$1; shift
     timeout "$LIMIT" $PY -m benchmarks.engine_step --model "$MODEL" --load-format dummy \

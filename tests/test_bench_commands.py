@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import socket
@@ -301,3 +302,26 @@ def test_mixed_step_benchmark_smoke(tmp_path):
     r = json.loads(out.read_text())
     assert r["real_tokens"] == 29 and r["max_abs_diff_mixed_vs_prefill"] < 1e-2
     assert set(r["step_ms"]) == {"prefill_kernel", "mixed"} and r["mixed_speedup"] > 0
+
+
+@pytest.mark.parametrize("layers", ["--no-unroll-layers", "--unroll-layers"])
+def test_generate_step_benchmark_smoke(tiny_config, tmp_path, layers):
+    """benchmarks/generate_step.py end to end on the tiny model: one row per capacity, the
+    contiguous cache sized from the capacity, and a capacity too small for the run refused."""
+    from benchmarks.generate_step import main as generate_step_main
+
+    out = tmp_path / "gen.json"
+    assert generate_step_main(["--model", tiny_config, "--dtype", "float32", "--batch-size", "2",
+                               "--prompt-len", "8", "--capacities", "16,64", "--short", "2",
+                               "--decode-steps", "4", layers, "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [row["capacity"] for row in r["rows"]] == [16, 64]
+    assert r["unrolled"] == (layers == "--unroll-layers")
+    # 2 rows x ceil((8 + C) / 16) blocks of 16 tokens, 2 layers x K and V x 2 heads x 16 x 4 B
+    assert [row["contiguous_cache_bytes"] for row in r["rows"]] == [
+        2 * n * 16 * 2 * 2 * 2 * 16 * 4 for n in (2, 5)]
+    # Timings at this size are noise (a difference of two runs can go negative): only present.
+    assert all(math.isfinite(row["decode_ms"] + row["prefill_ms"]) for row in r["rows"])
+    with pytest.raises(SystemExit):
+        generate_step_main(["--model", tiny_config, "--capacities", "4", "--short", "2",
+                            "--decode-steps", "4"])
