@@ -103,7 +103,7 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
 
     import jaxllm
 
-    batch_size = args.max_num_seqs or 256
+    batch_size = args.jax_static_batch_size or args.max_num_seqs or 256
     batches = list(static_batches(requests, batch_size, args.n))
     capacity = static_capacity(batches)
     arrays = []

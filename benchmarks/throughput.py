@@ -9,8 +9,8 @@ Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as
 - ``jaxllm``: :class:`~jaxllm.LLMEngine` (paged KV cache, continuous batching) with the engine
   flags given here; KV waste from ``EngineStats`` (1 - kv_slots_used / kv_slots_reserved, i.e.
   the share of slots in running sequences' blocks holding no token, averaged over steps).
-- ``jax-static``: :func:`jaxllm.generate` on static batches of ``--max-num-seqs`` prompts in the
-  given order: one jitted prefill + decode loop per batch over a private pool in which each row
+- ``jax-static``: :func:`jaxllm.generate` on static batches of ``--jax-static-batch-size``
+  (default ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop per batch over a private pool in which each row
   owns a contiguous run of ``width + capacity`` slots (a contiguous per-sequence cache); one
   compiled shape for all batches: width = the longest prompt rounded up to 128, capacity = the
   longest output rounded up to 16; short batches padded with dummy rows. Every row decodes the
@@ -54,7 +54,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"])
     m.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    e = parser.add_argument_group("engine (jaxllm; --max-num-seqs is also jax-static's batch)")
+    e = parser.add_argument_group("engine (jaxllm; --max-num-seqs is also jax-static's batch "
+                                  "unless --jax-static-batch-size)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)
@@ -66,6 +67,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "jax-static (default: on GPU, as the engine)")
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--jax-static-batch-size", type=int, default=None,
+                   help="jax-static's static batch (default: --max-num-seqs, else 256); its "
+                   "contiguous cache holds batch x (longest prompt + longest output) tokens, "
+                   "so an MHA model needs a smaller batch than the engine runs")
     h = parser.add_argument_group("hf")
     h.add_argument("--hf-python", default=sys.executable,
                    help="interpreter with torch + transformers (default: this one)")

@@ -43,7 +43,8 @@ def _tiny_args(config: str) -> list[str]:
 
 
 @pytest.mark.parametrize("backend, layers", [("jaxllm", []), ("jax-static", []),
-                                             ("jax-static", ["--unroll-layers"])])
+                                             ("jax-static", ["--unroll-layers",
+                                                             "--jax-static-batch-size", "3"])])
 def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, layers, capsys,
                                               monkeypatch):
     # A device with memory statistics (CPU has none): held bytes come from them, and the
@@ -67,6 +68,8 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
     assert "jax_peak_bytes_in_use" in r
     printed = capsys.readouterr().out
     assert f"[{backend}] Throughput:" in printed
+    if backend == "jax-static":  # 6 prompts x n=2 rows, 4 (--max-num-seqs) or 3 at a time
+        assert (r["batch_size"], r["num_batches"]) == ((3, 4) if layers else (4, 3))
     if backend == "jaxllm":  # where each step's time went, the step count since the clock
         ms = r["step_phases_ms"]
         assert all(v >= 0 for v in ms.values()) and ms["schedule_ms"] > 0
