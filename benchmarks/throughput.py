@@ -10,9 +10,10 @@ Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as
   flags given here; KV waste from ``EngineStats`` (1 - kv_slots_used / kv_slots_reserved, i.e.
   the share of slots in running sequences' blocks holding no token, averaged over steps).
 - ``jax-static``: :func:`jaxllm.generate` on static batches of ``--jax-static-batch-size``
-  (default ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop per batch over a private pool in which each row
-  owns a contiguous run of ``width + capacity`` slots (a contiguous per-sequence cache); one
-  compiled shape for all batches: width = the longest prompt rounded up to 128, capacity = the
+  (default ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop
+  per batch over a private pool in which each row owns a contiguous run of ``width +
+  capacity`` slots (a contiguous per-sequence cache); one compiled shape for all batches:
+  width = the longest prompt rounded up to 128, capacity = the
   longest output rounded up to 16; short batches padded with dummy rows. Every row decodes the
   batch's longest output (``row_max_new_tokens``). KV waste is computed from that layout: at
   each decode step, reserved = rows x (width + capacity) slots, used = for each real request
