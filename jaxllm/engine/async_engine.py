@@ -101,6 +101,15 @@ class AsyncLLMEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
+                # Outputs are cumulative: when several wait (the consumer fell behind the
+                # engine), the newest holds them all, and yielding it alone saves the consumer
+                # one write per step it missed. An error behind it is raised on the next get.
+                while not item.finished and not stream.empty():
+                    newer = stream.get_nowait()
+                    if isinstance(newer, BaseException):
+                        stream.put_nowait(newer)
+                        break
+                    item = newer
                 finished = item.finished
                 yield item
                 if finished:
@@ -163,11 +172,16 @@ class AsyncLLMEngine:
             command()
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of each event loop per step, not one per output: each
+        # call_soon_threadsafe writes to the loop's self-pipe (a syscall on this thread).
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             target = self._streams.get(output.request_id)
             if target is not None:
                 loop, stream = target
-                loop.call_soon_threadsafe(stream.put_nowait, output)
+                batches.setdefault(loop, []).append((stream, output))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
@@ -187,6 +201,11 @@ class AsyncLLMEngine:
                 command()
             except BaseException:  # noqa: BLE001
                 logger.debug("dropping a command after engine death", exc_info=True)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for stream, output in batch:
+        stream.put_nowait(output)
 
 
 def _resolve(future: asyncio.Future, value: Any, error: BaseException | None = None) -> None:

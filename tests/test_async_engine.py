@@ -1,0 +1,121 @@
+"""AsyncLLMEngine's delivery of outputs, with a stand-in engine (no model): one event-loop
+wake-up per step, and a consumer that falls behind gets the newest cumulative output instead
+of a backlog, losing nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.sequence import RequestMetrics
+
+
+def cumulative(request_id: str, tokens: list[int], finished: bool) -> RequestOutput:
+    text = "".join(f"<{t}>" for t in tokens)
+    return RequestOutput(request_id, None, [1], [CompletionOutput(
+        0, text, list(tokens), None, None, "length" if finished else None)], finished,
+        RequestMetrics(arrival_time=0.0))
+
+
+class StandInEngine:
+    """Each step adds one token to every request; ``fail_at`` makes that step raise."""
+
+    def __init__(self, num_tokens: int, fail_at: int | None = None):
+        self.num_tokens, self.fail_at = num_tokens, fail_at
+        self.requests: dict[str, list[int]] = {}
+        self.steps = 0
+        self.go = threading.Event()
+        self.go.set()
+
+    def add_request(self, request_id, prompt, params, **kwargs):
+        self.requests[request_id] = []
+
+    def abort_request(self, request_id):
+        self.requests.pop(request_id, None)
+        return []
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        self.go.wait()
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("device fell over")
+        outputs = []
+        for request_id, tokens in list(self.requests.items()):
+            tokens.append(self.steps)
+            done = len(tokens) >= self.num_tokens
+            outputs.append(cumulative(request_id, tokens, done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+
+def test_one_wake_up_per_step_delivers_every_output_in_order():
+    class RecordingLoop:
+        def __init__(self):
+            self.calls = []
+
+        def call_soon_threadsafe(self, fn, *args):
+            self.calls.append((fn, args))
+
+    engine = AsyncLLMEngine(StandInEngine(3))
+    loop = RecordingLoop()
+    queues = {name: asyncio.Queue() for name in "ab"}
+    engine._streams = {name: (loop, q) for name, q in queues.items()}
+    outputs = [cumulative("a", [1], False), cumulative("b", [1], False),
+               cumulative("a", [1, 2], False), cumulative("gone", [1], False)]
+    engine._deliver(outputs)
+    assert len(loop.calls) == 1  # one self-pipe write for the whole step
+    fn, args = loop.calls[0]
+    fn(*args)
+    assert [queues["a"].get_nowait().outputs[0].token_ids for _ in range(2)] == [[1], [1, 2]]
+    assert queues["b"].get_nowait().outputs[0].token_ids == [1]
+    assert queues["a"].empty() and queues["b"].empty()
+
+
+def test_a_consumer_that_falls_behind_gets_the_newest_output_and_loses_nothing():
+    stand_in = StandInEngine(num_tokens=12)
+    engine = AsyncLLMEngine(stand_in)
+    engine.start()
+
+    async def scenario():
+        seen = []
+        async for out in engine.generate("r", "prompt", None):
+            seen.append(out.outputs[0].token_ids)
+            if len(seen) == 1:
+                await asyncio.sleep(0.3)  # a slow client: the engine runs ahead meanwhile
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert seen[-1] == list(range(1, 13))  # every token, in the last (finished) output
+    assert len(seen) < 12  # the backlog collapsed into fewer, newer outputs
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:], strict=False))  # extends
+
+
+def test_an_error_behind_waiting_outputs_still_reaches_the_consumer():
+    engine = AsyncLLMEngine(StandInEngine(num_tokens=100, fail_at=4))
+    engine.start()
+
+    async def scenario():
+        seen = []
+        try:
+            async for out in engine.generate("r", "prompt", None):
+                seen.append(out.outputs[0].token_ids)
+                await asyncio.sleep(0.3)  # steps 2, 3 and the failing 4th run meanwhile
+        except EngineDeadError as e:
+            return seen, e
+        return seen, None
+
+    try:
+        seen, error = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert error is not None and "device fell over" in str(error)
+    assert seen[-1] == [1, 2, 3]  # the newest output before the failure was still delivered
