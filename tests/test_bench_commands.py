@@ -185,9 +185,12 @@ def test_serve_against_a_live_server(tiny_server, tmp_path, rate, capsys):
     assert r["completed"] == 12 and r["failed"] == 0 and not any(r["errors"])
     assert r["total_output_tokens"] == sum(r["output_lens"])
     assert r["total_input_tokens"] == sum(r["input_lens"])
-    # Every token arrives in its own chunk: ITL gaps = output tokens - 1 per request.
-    assert [len(g) for g in r["itls"]] == [n - 1 for n in r["output_lens"]]
-    assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] >= r["median_itl_ms"] > 0
+    # A chunk carries every token generated since the stream's last one (one each while the
+    # client keeps up, several when it lags, as vLLM's server does): an ITL gap per chunk
+    # after the first, so at most output tokens - 1 of them.
+    assert all(0 <= len(g) <= n - 1 for g, n in zip(r["itls"], r["output_lens"], strict=True))
+    assert sum(map(len, r["itls"])) > 0
+    assert r["mean_ttft_ms"] > 0 and r["p99_itl_ms"] >= r["median_itl_ms"] >= 0
     # Scraped from /metrics every 0.5 s, so a sub-second run may only see an idle server.
     assert 0 <= r["peak_kv_cache_usage_perc"] <= 1 and r["num_preemptions"] == 0
     assert (tmp_path / "serve.png").stat().st_size > 0
