@@ -55,9 +55,9 @@ def test_fresh_manager_hands_out_blocks_from_one_upwards():
     assert bm.allocate_slots(1, range(11), 10, 1) == []
     assert bm.block_table(1) == [1, 2, 3]
     assert bm.allocate_slots(1, range(13), 11, 2) == []
-    assert bm.block_table(1) == [1, 2, 3, 5]
+    assert bm.block_table(1) == [1, 2, 3, 5] and bm.num_blocks(1) == 4
     assert (bm.num_free_blocks, bm.usage) == (2, 5 / 7)
-    assert bm.block_table(99) == [] and not bm.has_seq(99)
+    assert bm.block_table(99) == [] and bm.num_blocks(99) == 0 and not bm.has_seq(99)
     bm.check_invariants()
 
 

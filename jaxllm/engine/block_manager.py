@@ -104,6 +104,11 @@ class BlockManager:
         seq = self._seqs.get(seq_id)
         return [b.block_id for b in seq.table] if seq is not None else []
 
+    def num_blocks(self, seq_id: int) -> int:
+        """len(block_table(seq_id)), without building the copy."""
+        seq = self._seqs.get(seq_id)
+        return len(seq.table) if seq is not None else 0
+
     def has_seq(self, seq_id: int) -> bool:
         """True while the manager holds blocks for the seq, on the GPU or swapped out."""
         return seq_id in self._seqs

@@ -234,7 +234,7 @@ class Scheduler:
         """Upper bound of new blocks (one copy-on-write block each when blocks are shared)."""
         needed = 0
         for seq, num_new in planned:
-            have = len(self.block_manager.block_table(seq.seq_id))
+            have = self.block_manager.num_blocks(seq.seq_id)
             blocks = -(-(seq.num_computed_tokens + num_new) // self.block_size)
             needed += max(0, blocks - have) + (1 if shared else 0)
         return needed
