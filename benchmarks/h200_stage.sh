@@ -64,7 +64,7 @@ case $STAGE in
   generate-step)
     MODEL=$1; shift
     timeout "$LIMIT" $PY benchmarks/generate_step.py --model "$MODEL" \
-      --out "$OUT/generate_step_${MODEL}.json" "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -8 ;;
+      --out "$OUT/generate_step_${MODEL##*/}.json" "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -8 ;;
   engine-step)
     MODEL=$1; shift
     timeout "$LIMIT" $PY -m benchmarks.engine_step --model "$MODEL" --load-format dummy \
