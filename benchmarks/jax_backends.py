@@ -30,6 +30,9 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
     engine = LLMEngine(config, model=model, progress=not args.no_progress)
+    # Offline, as jaxllm.LLM.generate (and vLLM's LLM.generate): only finished requests come
+    # back, no per-step partial output for every running request.
+    engine.stream_outputs = False
     phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
               "device_wait_seconds")
     before = {p: getattr(engine.stats, p) for p in phases} | {"steps": engine.stats.num_steps}
@@ -63,6 +66,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
             "step_ms": 1e3 * elapsed / steps, "step_phases_ms": step_ms,
             "kv_waste": 1 - s.kv_slots_used / max(1, s.kv_slots_reserved),
             "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
+            "stream_outputs": engine.stream_outputs,
             "warm_up_s": getattr(engine, "warm_up_seconds", None), **memory,
             "engine_config": {k: v for k, v in vars(engine.config).items()
                               if isinstance(v, (int, float, str, bool, type(None)))}}
