@@ -9,15 +9,14 @@ Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as
 - ``jaxllm``: :class:`~jaxllm.LLMEngine` (paged KV cache, continuous batching) with the engine
   flags given here; KV waste from ``EngineStats`` (1 - kv_slots_used / kv_slots_reserved, i.e.
   the share of slots in running sequences' blocks holding no token, averaged over steps).
-- ``jax-static``: :func:`jaxllm.generate` on static batches of ``--jax-static-batch-size``
-  (default ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop
-  per batch over a private pool in which each row owns a contiguous run of ``width +
-  capacity`` slots (a contiguous per-sequence cache); one compiled shape for all batches:
-  width = the longest prompt rounded up to 128, capacity = the
-  longest output rounded up to 16; short batches padded with dummy rows. Every row decodes the
-  batch's longest output (``row_max_new_tokens``). KV waste is computed from that layout: at
-  each decode step, reserved = rows x (width + capacity) slots, used = for each real request
-  its prompt plus the part of its requested output produced so far.
+- ``jax-static``: :func:`jaxllm.generate` on static batches of ``--jax-static-batch-size`` (default
+  ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop per batch over a
+  private pool in which each row owns a contiguous run of ``width + capacity`` slots (a contiguous
+  per-sequence cache); one compiled shape for all batches: width = the longest prompt rounded up to
+  128, capacity = the longest output rounded up to 16; short batches padded with dummy rows. Every
+  row decodes the batch's longest output (``row_max_new_tokens``). KV waste is computed from that
+  layout: at each decode step, reserved = rows x (width + capacity) slots, used = for each real
+  request its prompt plus the part of its requested output produced so far.
 - ``hf``: transformers ``generate()`` in a child interpreter (:mod:`benchmarks.hf_backend`).
 
 With several backends, each runs in its own child process (clean device memory and peak

@@ -70,9 +70,9 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
     assert f"[{backend}] Throughput:" in printed
     if backend == "jax-static":  # 6 prompts x n=2 rows, 4 (--max-num-seqs) or 3 at a time
         assert (r["batch_size"], r["num_batches"]) == ((3, 4) if layers else (4, 3))
-    if backend == "jaxllm":  # offline like LLM.generate: no partial outputs every step
-        assert r["stream_outputs"] is False
-    if backend == "jaxllm":  # where each step's time went, the step count since the clock
+    if backend == "jaxllm":
+        assert r["stream_outputs"] is False  # offline like LLM.generate: no partial outputs
+        # where each step's time went, the step count since the clock
         ms = r["step_phases_ms"]
         assert all(v >= 0 for v in ms.values()) and ms["schedule_ms"] > 0
         assert sum(ms.values()) <= r["step_ms"] * 1.05 and "host critical path" in printed
