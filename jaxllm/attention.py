@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.batch import BatchMetadata, KVPool
 from pallas_kernels.paged_attention import (
@@ -52,12 +53,15 @@ def is_decode_batch(q: jax.Array, batch: BatchMetadata) -> bool:
 def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.Array,
              v: jax.Array) -> KVPool:
     """Scatters this step's keys/values ([T, Hkv, D]) into the pool at ``slot_mapping`` (i32[T])."""
-    block_size = kv_pool.block_size
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # NOTE: padded tokens all write to block 0; duplicate indices are fine, nobody reads it.
+    block_size, num_blocks = kv_pool.block_size, kv_pool.num_blocks
+    # Padded tokens (PAD_SLOT < 0) aim past the pool and are dropped. They used to all write
+    # one null slot: on the H200 that many writes to one address serialize (generate()'s
+    # padded prompts: ~25 s a static batch of 64 x 1024 tokens, most of them padding).
+    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    offsets = slot_mapping % block_size
     return KVPool(
-        k=kv_pool.k.at[layer, blocks, offsets].set(k.astype(kv_pool.k.dtype)),
-        v=kv_pool.v.at[layer, blocks, offsets].set(v.astype(kv_pool.v.dtype)),
+        k=kv_pool.k.at[layer, blocks, offsets].set(k.astype(kv_pool.k.dtype), mode="drop"),
+        v=kv_pool.v.at[layer, blocks, offsets].set(v.astype(kv_pool.v.dtype), mode="drop"),
     )
 
 

@@ -10,8 +10,8 @@ and, in the pool, the blocks listed in ``block_tables[s]``::
     pool block 9: positions 32..47 of s      (partly filled: seq_lens[s] = 40)
 
 A token at position p lives in slot ``block_tables[s][p // B] * B + p % B``; the slot mapping
-tells the forward where to write each new token's K/V. Padded tokens write to slots of
-block 0, which no real sequence reads.
+tells the forward where to write each new token's K/V. Padded tokens have slot
+``PAD_SLOT`` (-1): their writes are dropped, so block 0 stays zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 NULL_BLOCK = 0
+PAD_SLOT = -1  # slot_mapping of a padded token: nothing is written
 
 
 @flax.struct.dataclass
@@ -140,7 +141,7 @@ class BatchMetadata:
 
     input_ids: jax.Array  # i32[T]
     positions: jax.Array  # i32[T]   position of each token within its sequence
-    slot_mapping: jax.Array  # i32[T]   pool slot to write each token's K/V (padding -> block 0)
+    slot_mapping: jax.Array  # i32[T]   pool slot to write each token's K/V (padding -> PAD_SLOT)
     block_tables: jax.Array  # i32[S, W] pool block ids per sequence (padding -> 0)
     seq_lens: jax.Array  # i32[S]   context length after this step (0 for padded sequences)
     query_start_loc: jax.Array  # i32[S + 1] start of each sequence's tokens in T (non-decreasing)

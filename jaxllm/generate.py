@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
+from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
 from jaxllm.config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
 from jaxllm.sampling import sample_tokens
@@ -76,13 +76,14 @@ def generate(
     limit = (jnp.full((batch_size,), max_new_tokens, jnp.int32) if row_max_new_tokens is None
              else jnp.clip(row_max_new_tokens.astype(jnp.int32), 1, max_new_tokens))
 
-    # Prefill: every row's padded prompt in one flat batch; padding writes to the null block.
+    # Prefill: every row's padded prompt in one flat batch; padding writes nothing.
     pos = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch_size, prompt_width))
     real = pos < lens[:, None]
     prefill = BatchMetadata(
         input_ids=jnp.where(real, prompt_ids, 0).reshape(-1),
         positions=pos.reshape(-1),
-        slot_mapping=jnp.where(real, slots_for_positions(tables, pos, block_size), 0).reshape(-1),
+        slot_mapping=jnp.where(real, slots_for_positions(tables, pos, block_size),
+                               PAD_SLOT).reshape(-1),
         block_tables=tables,
         seq_lens=lens,
         query_start_loc=jnp.arange(batch_size + 1, dtype=jnp.int32) * prompt_width,

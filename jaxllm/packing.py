@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import NULL_BLOCK, BatchMetadata
+from jaxllm.batch import NULL_BLOCK, PAD_SLOT, BatchMetadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ def pack_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
     """Flattens ``chunks`` into padded arrays.
 
     Logits are requested for each chunk's last token (``all_logits``: for every real token).
-    Sizes default to the exact ones; larger values pad (padding writes to the null block).
+    Sizes default to the exact ones; larger values pad (padded tokens write nothing).
     """
     lens = [len(c.token_ids) for c in chunks]
     total = sum(lens)
@@ -38,7 +38,7 @@ def pack_batch(chunks: Sequence[SeqChunk], block_size: int, *, num_tokens: int |
                          f"({num_tokens} / {num_seqs})")
     input_ids = np.zeros(num_tokens, np.int32)
     positions = np.zeros(num_tokens, np.int32)
-    slots = np.full(num_tokens, NULL_BLOCK * block_size, np.int32)
+    slots = np.full(num_tokens, PAD_SLOT, np.int32)
     tables = np.full((num_seqs, width), NULL_BLOCK, np.int32)
     seq_lens = np.zeros(num_seqs, np.int32)
     starts = np.full(num_seqs + 1, total, np.int32)

@@ -60,7 +60,12 @@ def test_padding_never_changes_real_outputs(model):
     runner = PagedRunner(cfg, params)
     padded = runner.step(chunks, num_tokens=32, num_seqs=5, table_width=8)
     np.testing.assert_allclose(padded, exact, atol=ATOL, rtol=1e-5)
-    # Padding wrote only to the null block: decoding on from the padded pool still matches.
+    # Padded tokens wrote nothing (block 0, the null block, stays zeros), and decoding on
+    # from the padded pool still matches.
+    assert not np.asarray(runner.pool.k[:, 0]).any() and not np.asarray(runner.pool.v[:, 0]).any()
+    used = np.zeros(runner.pool.k.shape[1], bool)
+    used[table(3, 1) + table(2, 10)] = True
+    assert not np.asarray(runner.pool.k[:, ~used]).any()
     exact_next = PagedRunner(cfg, params)
     exact_next.step(chunks)
     nxt = [SeqChunk([5], 11, table(3, 1)), SeqChunk([7], 6, table(2, 10))]

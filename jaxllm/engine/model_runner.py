@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool, copy_blocks
+from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, copy_blocks
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.sampler import (
     SamplerOutput,
@@ -191,7 +191,7 @@ class ModelRunner:
         t, s, w = shape.num_tokens, shape.num_seqs, shape.table_width
         zeros = np.zeros(t, np.int32)
         return BatchMetadata(
-            input_ids=zeros, positions=zeros, slot_mapping=zeros,
+            input_ids=zeros, positions=zeros, slot_mapping=np.full(t, PAD_SLOT, np.int32),
             block_tables=np.zeros((s, w), np.int32), seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
             decode_only=shape.is_decode)
@@ -235,7 +235,7 @@ class ModelRunner:
         t, s, w, bs = shape.num_tokens, shape.num_seqs, shape.table_width, self.block_size
         input_ids = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
-        slots = np.zeros(t, np.int32)
+        slots = np.full(t, PAD_SLOT, np.int32)
         tables = np.zeros((s, w), np.int32)
         seq_lens = np.zeros(s, np.int32)
         starts = np.full(s + 1, num_tokens, np.int32)
