@@ -44,6 +44,14 @@ _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                    "Qwen2ForCausalLM": "qwen2"}
 
 
+def _batch_size(text: str) -> int:
+    """A static batch size given on the command line: an integer >= 1."""
+    size = int(text)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{size} must be >= 1")
+    return size
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="jaxllm",
                         help=f"one or a comma-separated list of {', '.join(BACKENDS)}")
@@ -67,14 +75,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "jax-static (default: on GPU, as the engine)")
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
-    e.add_argument("--jax-static-batch-size", type=int, default=None,
+    e.add_argument("--jax-static-batch-size", type=_batch_size, default=None,
                    help="jax-static's static batch (default: --max-num-seqs, else 256); its "
                    "contiguous cache holds batch x (longest prompt + longest output) tokens, "
                    "so an MHA model needs a smaller batch than the engine runs")
     h = parser.add_argument_group("hf")
     h.add_argument("--hf-python", default=sys.executable,
                    help="interpreter with torch + transformers (default: this one)")
-    h.add_argument("--hf-max-batch-size", type=int, default=None,
+    h.add_argument("--hf-max-batch-size", type=_batch_size, default=None,
                    help="static batch size (default: --max-num-seqs, else 256)")
     h.add_argument("--hf-devices", default=None,
                    help="comma-separated GPU ids: hf's static batches dealt round-robin to one "

@@ -333,3 +333,13 @@ def test_generate_step_benchmark_smoke(tiny_config, tmp_path, layers):
     with pytest.raises(SystemExit):
         generate_step_main(["--model", tiny_config, "--capacities", "4", "--short", "2",
                             "--decode-steps", "4"])
+
+
+@pytest.mark.parametrize("flag, value", [("--jax-static-batch-size", "0"),
+                                         ("--jax-static-batch-size", "-2"),
+                                         ("--hf-max-batch-size", "0")])
+def test_throughput_refuses_a_static_batch_below_one(tiny_config, flag, value, capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["throughput", *_tiny_args(tiny_config), "--backend", "jax-static",
+                    "--num-prompts", "4", flag, value])
+    assert f"argument {flag}: {value} must be >= 1" in capsys.readouterr().err
