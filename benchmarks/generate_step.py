@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import jaxllm
 from benchmarks.provenance import source_commit
 from jaxllm.engine.config import resolve_unroll_layers
+from jaxllm.engine.memory import kv_block_bytes
 from jaxllm.models.llama import unstack_layer_params
 
 
@@ -61,11 +62,10 @@ def measure(model, batch_size: int, prompt_len: int, capacity: int, short: int, 
     t_long = time_program(call, model.params, ids, lens, new_short + steps, jax.random.key(2))
     decode_ms = 1e3 * (t_long - t_short) / steps
     blocks = batch_size * -(-(prompt_len + capacity) // block_size)
-    cache = (2 * cfg.num_hidden_layers * blocks * block_size * cfg.num_key_value_heads
-             * cfg.head_dim * jnp.dtype(model.dtype).itemsize)
     return {"capacity": capacity, "decode_ms": decode_ms,
             "prefill_ms": 1e3 * t_short - decode_ms * (short - 1),
-            "temp_bytes": temp, "contiguous_cache_bytes": int(cache)}
+            "temp_bytes": temp,
+            "contiguous_cache_bytes": blocks * kv_block_bytes(model, block_size)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,9 +54,9 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
              v: jax.Array) -> KVPool:
     """Scatters this step's keys/values ([T, Hkv, D]) into the pool at ``slot_mapping`` (i32[T])."""
     block_size, num_blocks = kv_pool.block_size, kv_pool.num_blocks
-    # Padded tokens (PAD_SLOT < 0) aim past the pool and are dropped. They used to all write
-    # one null slot: on the H200 that many writes to one address serialize (generate()'s
-    # padded prompts: ~25 s a static batch of 64 x 1024 tokens, most of them padding).
+    # Padded tokens (PAD_SLOT < 0) aim past the pool and are dropped, rather than all writing
+    # one null-block slot: on the H200, generate()'s padded prompts (most of a 64 x 1024 static
+    # batch) cost ~24 s a batch more than unpadded ones, which points at those colliding writes.
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     offsets = slot_mapping % block_size
     return KVPool(
