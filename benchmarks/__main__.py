@@ -1,4 +1,4 @@
-"""``python -m benchmarks {throughput,serve,latency} ...`` (also ``jaxllm bench ...``)."""
+"""``python -m jaxllm.benchmarks {throughput,serve,latency} ...`` (also ``jaxllm bench ...``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ COMMANDS = {
 }
 
 
-def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m jaxllm.benchmarks") -> argparse.ArgumentParser:
     import importlib
 
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
@@ -26,7 +26,7 @@ def build_parser(prog: str = "python -m benchmarks") -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m benchmarks") -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m jaxllm.benchmarks") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(prog).parse_args(argv)
     args.argv = argv[1:]  # the subcommand's own flags (throughput re-runs them per backend)

@@ -7,7 +7,7 @@ slot is refilled at the next step. Both use greedy decoding with fixed per-reque
 lengths (EOS ignored), so both produce exactly the same useful tokens; compilation is done
 before timing in both cases.
 
-    python -m benchmarks.continuous_vs_static --num-prompts 64 --batch-size 16
+    python -m jaxllm.benchmarks.continuous_vs_static --num-prompts 64 --batch-size 16
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
-from benchmarks.provenance import source_commit
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.sampling_params import SamplingParams

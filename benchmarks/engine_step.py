@@ -6,7 +6,8 @@ round: output tokens/s, and per decode step the host time on the critical path (
 prepare = pack + sampling metadata + dispatch, update = record samples), the host time that
 overlaps the device (detokenize + outputs), and the time blocked on the device.
 
-    python -m benchmarks.engine_step --model llama-3-8b --load-format dummy --dtype bfloat16 \\
+    python -m jaxllm.benchmarks.engine_step --model llama-3-8b --load-format dummy \\
+        --dtype bfloat16 \\
         --batch 256 --input-len 1024 --output-len 128 --mode async
 """
 
@@ -23,9 +24,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm  # noqa: E402
-from benchmarks.provenance import source_commit
 from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 
 PHASES = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",

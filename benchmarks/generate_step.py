@@ -27,9 +27,9 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
-from benchmarks.provenance import source_commit
 from jaxllm.engine.config import resolve_unroll_layers
 from jaxllm.engine.memory import kv_block_bytes
 from jaxllm.models.llama import unstack_layer_params

@@ -13,8 +13,8 @@
 #   generate-step MODEL  benchmarks/generate_step.py: generate()'s prefill and decode step vs
 #                     the output capacity (jax-static's cost) (ARGS: its flags)
 #   engine-step MODEL benchmarks/engine_step.py, async, default backend (ARGS: its flags)
-#   throughput MODEL  python -m benchmarks throughput (ARGS: its flags; --model is set)
-#   serve MODEL RATES python -m serve in the background, bench serve at each rate (ARGS: server
+#   throughput MODEL  python -m jaxllm.benchmarks throughput (ARGS: its flags; --model is set)
+#   serve MODEL RATES python -m jaxllm.serve in the background, bench serve at each rate (ARGS: server
 #                     flags), then SIGTERM
 #   cache-save / cache-load TAR   carry the engine's XLA compilation cache between calls
 #   hlo MODEL         optimized HLO of one batch-256 decode step (pass --unroll-layers and
@@ -43,7 +43,7 @@ case $STAGE in
     MODEL=$1; shift
     for unroll in --no-unroll-layers --unroll-layers; do
       log "$MODEL $unroll"
-      timeout "$LIMIT" $PY -m benchmarks latency --model "$MODEL" --load-format dummy \
+      timeout "$LIMIT" $PY -m jaxllm.benchmarks latency --model "$MODEL" --load-format dummy \
         --dtype bfloat16 --batch-sizes 1,32,256 --context-len 1024 $unroll --no-progress \
         --output-json "$OUT/latency_${MODEL}${unroll#--}.json" "$@" 2>&1 \
         | grep -v "^WARNING\|^I0000" | tail -12
@@ -67,18 +67,18 @@ case $STAGE in
       --out "$OUT/generate_step_${MODEL##*/}.json" "$@" 2>&1 | grep -v "^WARNING\|^I0000" | tail -8 ;;
   engine-step)
     MODEL=$1; shift
-    timeout "$LIMIT" $PY -m benchmarks.engine_step --model "$MODEL" --load-format dummy \
+    timeout "$LIMIT" $PY -m jaxllm.benchmarks.engine_step --model "$MODEL" --load-format dummy \
       --dtype bfloat16 --output-json "$OUT/engine_step_${MODEL}.json" "$@" 2>&1 | tail -3 ;;
   throughput)
     MODEL=$1; shift
-    timeout "$LIMIT" $PY -m benchmarks throughput --model "$MODEL" --load-format dummy \
+    timeout "$LIMIT" $PY -m jaxllm.benchmarks throughput --model "$MODEL" --load-format dummy \
       --dtype bfloat16 --no-progress "$@" > "$OUT/throughput_${MODEL}_$(date +%H%M%S).log" 2>&1
     echo "throughput rc=$?"
     grep -h "warm-up\|Throughput\|/ hf\|Error\|error:" "$OUT"/throughput_"${MODEL}"_*.log \
       | grep -v "^E1\|^W1" | cut -c1-400 | tail -12 ;;
   serve)  # MODEL RATES [server flags...]: one server, bench serve at each comma-separated rate
     MODEL=$1; RATES=$2; shift 2
-    $PY -m serve --model "$MODEL" --load-format dummy --dtype bfloat16 --port 8000 \
+    $PY -m jaxllm.serve --model "$MODEL" --load-format dummy --dtype bfloat16 --port 8000 \
       --disable-log-requests "$@" > "$OUT/server_${MODEL}.log" 2>&1 &
     server=$!
     until curl -sf localhost:8000/health > /dev/null; do
@@ -88,7 +88,7 @@ case $STAGE in
     done
     log "server up after $(( $(date +%s) - t0 )) s"
     for rate in ${RATES//,/ }; do
-      timeout $(( LIMIT - ($(date +%s) - t0) )) $PY -m benchmarks serve --base-url \
+      timeout $(( LIMIT - ($(date +%s) - t0) )) $PY -m jaxllm.benchmarks serve --base-url \
         http://127.0.0.1:8000 --dataset-name sharegpt-like --num-prompts "${NUM_PROMPTS:-1000}" \
         --request-rate "$rate" --save-result --result-dir "$OUT" --no-progress \
         --result-filename "serve_${MODEL}_rate${rate}.json" 2>&1 | grep -v "^WARNING" | tail -32
@@ -105,7 +105,7 @@ case $STAGE in
     # No persistent cache here: a cache hit skips the compile and its buffer-assignment dump.
     JAX_COMPILATION_CACHE_DIR= \
     XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout "$LIMIT" \
-      $PY -m benchmarks latency --model "$MODEL" --load-format dummy --dtype bfloat16 \
+      $PY -m jaxllm.benchmarks latency --model "$MODEL" --load-format dummy --dtype bfloat16 \
       --batch-sizes 256 --context-len 1024 --iters 3 --warmup-iters 1 --no-progress "$@" 2>&1 \
       | grep -v "^WARNING\|^I0000" | tail -5
     for f in $(ls -S /tmp/hlo/*jit_step*after_optimizations.txt | head -1); do

@@ -6,8 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
-from benchmarks.datasets import Request
+from jaxllm.benchmarks.datasets import Request
 
 
 def device_bytes_in_use() -> int | None:

@@ -33,15 +33,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from pallas_kernels.paged_attention import (
+from jaxllm.pallas_kernels.paged_attention import (
     DecodeConfig,
     PrefillConfig,
     paged_attention_decode,
     paged_attention_prefill,
     paged_attention_reference,
 )
-from pallas_kernels.paged_attention.shapes import HEAD_SHAPES
+from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 BLOCK = 16

@@ -1,6 +1,6 @@
 """``bench latency``: decode step time at several batch sizes vs the memory roofline.
 
-    python -m benchmarks latency --model llama-3-8b --load-format dummy --dtype bfloat16 \\
+    python -m jaxllm.benchmarks latency --model llama-3-8b --load-format dummy --dtype bfloat16 \\
         --batch-sizes 1,32,256 --context-len 1024
 
 What is timed: one decode step of the jitted model forward (the engine's
@@ -33,8 +33,7 @@ import os
 import time
 
 import numpy as np
-
-from benchmarks.provenance import source_commit
+from jaxllm.benchmarks.provenance import source_commit
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +72,7 @@ def measure_bandwidth_gbps(size_mib: int, reps: int = 10) -> float:
     TB/s on the H200)."""
     import jax
     import jax.numpy as jnp
-
-    from benchmarks.kernels import dispatch_time, run_timed
+    from jaxllm.benchmarks.kernels import dispatch_time, run_timed
 
     x = jnp.zeros(size_mib * 2**20 // 4, jnp.float32)
     seconds = max(run_timed(jax.jit(lambda a: a + 1.0), (x,), reps=reps) - dispatch_time(), 1e-9)

@@ -21,14 +21,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from benchmarks.kernels import pseudo_random, time_per_call
-from pallas_kernels.paged_attention import (
+from jaxllm.benchmarks.kernels import pseudo_random, time_per_call
+from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_mixed,
     paged_attention_prefill,
     paged_attention_reference,
 )
-from pallas_kernels.paged_attention.shapes import HEAD_SHAPES
+from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
 
 
 def build_step(heads: str, decode_contexts, chunks, padded_tokens: int, block_size: int,

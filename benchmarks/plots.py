@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-
-from benchmarks.metrics import RequestTrace, throughput_over_time, tpot
+from jaxllm.benchmarks.metrics import RequestTrace, throughput_over_time, tpot
 
 
 def _cdf(ax, values, label: str) -> None:

@@ -1,7 +1,8 @@
 """``bench serve``: load-test any OpenAI-compatible server over streaming ``/v1/completions``.
 
-    python -m serve --load-format dummy --model llama-3-8b --dtype bfloat16 &
-    python -m benchmarks serve --base-url http://127.0.0.1:8000 --dataset-name sharegpt-like \\
+    python -m jaxllm.serve --load-format dummy --model llama-3-8b --dtype bfloat16 &
+    python -m jaxllm.benchmarks serve --base-url http://127.0.0.1:8000 \\
+        --dataset-name sharegpt-like \\
         --num-prompts 1000 --request-rate 10 --save-result --plot
 
 Client only; it follows vLLM's ``benchmark_serving.py``: one warm-up request, then requests
@@ -26,10 +27,9 @@ import os
 import time
 
 import numpy as np
-
-from benchmarks.datasets import Request, add_dataset_args, sample_requests
-from benchmarks.metrics import RequestTrace, parse_prometheus, print_summary, summarize
-from benchmarks.provenance import source_commit
+from jaxllm.benchmarks.datasets import Request, add_dataset_args, sample_requests
+from jaxllm.benchmarks.metrics import RequestTrace, parse_prometheus, print_summary, summarize
+from jaxllm.benchmarks.provenance import source_commit
 
 KV_USAGE_NAMES = ("jaxllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc",
                   "vllm:gpu_cache_usage_perc")
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> dict:
             json.dump(result, f, indent=1)
         print(f"result: {path}")
     if args.plot:
-        from benchmarks.plots import plot_serve
+        from jaxllm.benchmarks.plots import plot_serve
 
         path = os.path.join(args.result_dir, os.path.splitext(name)[0] + ".png")
         plot_serve(traces, info["start"], path, title=f"{info['model_id']}, rate {rate}")

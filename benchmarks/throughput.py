@@ -1,6 +1,7 @@
 """``bench throughput``: offline generation throughput, several backends on identical prompts.
 
-    python -m benchmarks throughput --model llama-3-8b --load-format dummy --dtype bfloat16 \\
+    python -m jaxllm.benchmarks throughput --model llama-3-8b --load-format dummy \\
+        --dtype bfloat16 \\
         --dataset-name sharegpt-like --num-prompts 1000 --backend jaxllm,hf,jax-static
 
 Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as vLLM's
@@ -36,8 +37,8 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.datasets import Request, add_dataset_args, sample_requests
-from benchmarks.provenance import source_commit
+from jaxllm.benchmarks.datasets import Request, add_dataset_args, sample_requests
+from jaxllm.benchmarks.provenance import source_commit
 
 BACKENDS = ("jaxllm", "hf", "jax-static")
 _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
@@ -146,7 +147,7 @@ def _peak_memory() -> tuple[int | None, str]:
 def run_one(backend: str, args) -> dict:
     """Runs one backend in this process and returns its result dict."""
     if backend == "hf":
-        from benchmarks.hf_backend import run_hf
+        from jaxllm.benchmarks.hf_backend import run_hf
 
         cfg = model_config(args)
         requests = _requests(args, cfg)
@@ -178,7 +179,7 @@ def run_one(backend: str, args) -> dict:
             model = dataclasses.replace(
                 model, params=unstack_layer_params(model.params, donate=True))
         requests = _requests(args, model.config)
-        from benchmarks.jax_backends import run_jax_static, run_jaxllm
+        from jaxllm.benchmarks.jax_backends import run_jax_static, run_jaxllm
 
         run = run_jaxllm if backend == "jaxllm" else run_jax_static
         extra = run(model, requests, args)
@@ -259,7 +260,7 @@ def _run_children(backends: list[str], args, tmp: str) -> dict:
             out = (os.path.splitext(os.path.abspath(args.output_json))[0] + f".{b}.json"
                    if args.output_json else os.path.join(tmp, f"{b}.json"))
             env = dict(os.environ) | ({} if device is None else {"CUDA_VISIBLE_DEVICES": device})
-            cmd = [sys.executable, "-m", "benchmarks", "throughput",
+            cmd = [sys.executable, "-m", "jaxllm.benchmarks", "throughput",
                    *_child_argv(args.argv, b, out)]
             subprocess.run(cmd, check=True, cwd=_repo_root(), env=env)
             with open(out) as f:
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.output_json, "w") as f:
             json.dump(summary, f, indent=1)
     if args.plot:
-        from benchmarks.plots import plot_bars
+        from jaxllm.benchmarks.plots import plot_bars
 
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         path = (os.path.splitext(args.output_json)[0] + ".png" if args.output_json else

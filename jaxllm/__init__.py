@@ -9,6 +9,17 @@ Public API:
   (:class:`LLMEngine`, :class:`AsyncLLMEngine` for servers), with :class:`SamplingParams`.
 """
 
+import os as _os
+
+# `jaxllm.serve`, `jaxllm.benchmarks` and `jaxllm.pallas_kernels` keep their folders at the top
+# of the repository; a wheel installs them inside this package (pyproject's package-dir). Run
+# from the source tree (`PYTHONPATH=.`, an editable install), the repository root joins this
+# package's search path so that the same import names find them there.
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isdir(
+        _os.path.join(_ROOT, "serve")):
+    __path__.append(_ROOT)
+
 from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
 from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.batch import BatchMetadata, KVPool
-from pallas_kernels.paged_attention import (
+from jaxllm.pallas_kernels.paged_attention import (
     kernels_support,
     paged_attention_decode,
     paged_attention_mixed,

@@ -1,5 +1,6 @@
 """The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply), ``serve``
-(the OpenAI-compatible server, ``python -m serve``) and ``bench`` (``python -m benchmarks``)."""
+(the OpenAI-compatible server, ``python -m jaxllm.serve``) and ``bench``
+(``python -m jaxllm.benchmarks``)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed the prompt as raw text instead of a chat message")
     gen.set_defaults(handler=_generate)
-    # Listed for --help only: main() hands `jaxllm serve ...` to `python -m serve ...`.
+    # Listed for --help only: main() hands `jaxllm serve ...` to `python -m jaxllm.serve ...`.
     sub.add_parser("serve", add_help=False,
                    help="serve a model behind an OpenAI-compatible HTTP API (see "
                         "`jaxllm serve --help`)")
@@ -104,21 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench(argv: list[str]) -> int:
-    """``jaxllm bench ...`` = ``python -m benchmarks ...``. Imported here, not at module
-    import: benchmarks sits above jaxllm (it imports jaxllm, never the reverse), and lives in
-    the source tree, not in the installed packages."""
-    try:
-        from benchmarks.__main__ import main as bench_main
-    except ImportError:
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        from benchmarks.__main__ import main as bench_main
+    """``jaxllm bench ...`` = ``python -m jaxllm.benchmarks ...``. Imported here, not at module
+    import: the benchmarks sit above the engine (they import it, never the reverse)."""
+    from jaxllm.benchmarks.__main__ import main as bench_main
+
     return bench_main(argv, prog="jaxllm bench")
 
 
 def _serve(argv: list[str]) -> None:
-    """Replaces this process with ``python -m serve ARGS``: the server sits a layer above
-    the engine (serve imports jaxllm, never the reverse), and signals reach it directly."""
-    os.execv(sys.executable, [sys.executable, "-m", "serve", *argv])
+    """Replaces this process with ``python -m jaxllm.serve ARGS``: the server sits a layer
+    above the engine (it imports the engine, never the reverse), and signals reach it
+    directly."""
+    os.execv(sys.executable, [sys.executable, "-m", "jaxllm.serve", *argv])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (aiohttp): ``python -m serve`` or ``jaxllm serve``.
+"""The OpenAI-compatible HTTP server (aiohttp): ``python -m jaxllm.serve`` or ``jaxllm serve``.
 
 Imports flow one way: serve -> jaxllm -> pallas_kernels. Layout: ``args`` (flags and configs),
 ``app`` (routes, middlewares), ``generation`` (completions and chat), ``protocol`` (request

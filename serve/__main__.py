@@ -1,7 +1,7 @@
-"""``python -m serve``: the OpenAI-compatible server (see ``serve.cli``)."""
+"""``python -m jaxllm.serve``: the OpenAI-compatible server (see ``serve.cli``)."""
 
 import sys
 
-from serve.cli import main
+from jaxllm.serve.cli import main
 
 sys.exit(main())

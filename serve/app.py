@@ -11,14 +11,14 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from jaxllm.serve import generation, routes
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.errors import APIError, error_response
+from jaxllm.serve.generation import CLIENT_GONE, STATE
+from jaxllm.serve.state import ServerState
+from jaxllm.serve.stats import StatsLogger
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
-from serve import generation, routes
-from serve.args import ServerConfig
-from serve.errors import APIError, error_response
-from serve.generation import CLIENT_GONE, STATE
-from serve.state import ServerState
-from serve.stats import StatsLogger
 
 logger = logging.getLogger("serve")
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/version"})  # no API key needed

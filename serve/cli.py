@@ -1,15 +1,16 @@
-"""``python -m serve [MODEL] [flags]`` (also ``jaxllm serve``): load the engine, serve, drain."""
+"""``python -m jaxllm.serve [MODEL] [flags]`` (also ``jaxllm serve``): load, serve, drain."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
+from jaxllm.serve.args import build_parser, configs_from_args
+from jaxllm.serve.server import serve_forever
+
 from jaxllm.engine.async_engine import AsyncLLMEngine
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import JaxLLMError
-from serve.args import build_parser, configs_from_args
-from serve.server import serve_forever
 
 logger = logging.getLogger("serve")
 

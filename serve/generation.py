@@ -19,14 +19,14 @@ import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from jaxllm.serve.errors import APIError, bad_request, error_body
+from jaxllm.serve.prompts import Prompt, encode
+from jaxllm.serve.protocol import GenerationRequest, parse_chat, parse_completion
+from jaxllm.serve.responses import DONE, ResponseBuilder, sse
+from jaxllm.serve.state import ServerState, Ticket
 
 from jaxllm.engine.async_engine import EngineDeadError
 from jaxllm.engine.outputs import RequestOutput
-from serve.errors import APIError, bad_request, error_body
-from serve.prompts import Prompt, encode
-from serve.protocol import GenerationRequest, parse_chat, parse_completion
-from serve.responses import DONE, ResponseBuilder, sse
-from serve.state import ServerState, Ticket
 
 logger = logging.getLogger("serve")
 STATE = web.AppKey("state", ServerState)

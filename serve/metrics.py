@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from jaxllm.serve.responses import num_known
+from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxllm.engine.outputs import RequestOutput
-from serve.responses import num_known
-from serve.stats import MemoryMonitor, SnapshotCache
 
 TTFT_BUCKETS = (.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10)
 TPOT_BUCKETS = (.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)

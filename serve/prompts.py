@@ -7,9 +7,8 @@ import dataclasses
 from typing import Any
 
 import jinja2
-
-from serve.errors import APIError, bad_request
-from serve.protocol import GenerationRequest
+from jaxllm.serve.errors import APIError, bad_request
+from jaxllm.serve.protocol import GenerationRequest
 
 
 @dataclasses.dataclass

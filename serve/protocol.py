@@ -12,8 +12,9 @@ import dataclasses
 import math
 from typing import Any
 
+from jaxllm.serve.errors import bad_request
+
 from jaxllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from serve.errors import bad_request
 
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_STOP = 64  # stop strings / stop token ids per request

@@ -9,8 +9,9 @@ import json
 import time
 from collections.abc import Callable
 
+from jaxllm.serve.protocol import GenerationRequest
+
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
-from serve.protocol import GenerationRequest
 
 DONE = b"data: [DONE]\n\n"
 

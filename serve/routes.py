@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from aiohttp import web
+from jaxllm.serve.errors import APIError, bad_request
+from jaxllm.serve.generation import STATE, check_model, read_json
+from jaxllm.serve.prompts import render_chat
+from jaxllm.serve.protocol import Fields, GenerationRequest, check_token_ids, parse_messages
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxllm
 from jaxllm.engine.sampling_params import SamplingParams
-from serve.errors import APIError, bad_request
-from serve.generation import STATE, check_model, read_json
-from serve.prompts import render_chat
-from serve.protocol import Fields, GenerationRequest, check_token_ids, parse_messages
 
 
 async def health(request: web.Request) -> web.Response:

@@ -15,12 +15,12 @@ import threading
 from collections.abc import Callable
 
 from aiohttp import web
+from jaxllm.serve.app import build_app, log_config
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.generation import STATE
+from jaxllm.serve.state import ServerState
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
-from serve.app import build_app, log_config
-from serve.args import ServerConfig
-from serve.generation import STATE
-from serve.state import ServerState
 
 logger = logging.getLogger("serve")
 ABORT_GRACE = 5.0  # seconds for aborted requests to send their last chunk

@@ -10,11 +10,12 @@ import time
 import uuid
 from typing import Any
 
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.errors import APIError, overloaded
+from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
+
 from jaxllm.engine.async_engine import AsyncLLMEngine
-from serve.args import ServerConfig
-from serve.errors import APIError, overloaded
-from serve.metrics import Metrics
-from serve.stats import MemoryMonitor, SnapshotCache
 
 logger = logging.getLogger("serve")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from pallas_kernels.paged_attention import paged_attention_reference
+from jaxllm.pallas_kernels.paged_attention import paged_attention_reference
 
 BLOCK = 16
 

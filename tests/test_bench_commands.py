@@ -1,5 +1,5 @@
 """``bench throughput / latency / serve`` end to end on CPU at tiny sizes: a tiny dummy model
-(a config.json with random weights), the shipped SmolLM2, and a live ``python -m serve``."""
+(a config.json with random weights), the shipped SmolLM2, and a live ``python -m jaxllm.serve``."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import sys
 import time
 
 import pytest
-
-from benchmarks.__main__ import main as bench_main
+from jaxllm.benchmarks.__main__ import main as bench_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REF_PYTHON = "/work/refvenv/bin/python"  # Python 3.11 with torch (CPU) + transformers
@@ -49,7 +48,7 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
                                               monkeypatch):
     # A device with memory statistics (CPU has none): held bytes come from them, and the
     # reported peak adds the compiled step's temporaries (the raw JAX peak is kept aside).
-    import benchmarks.jax_backends as jax_backends
+    import jaxllm.benchmarks.jax_backends as jax_backends
 
     monkeypatch.setattr(jax_backends, "device_bytes_in_use", lambda: 1000)
     out = tmp_path / "tp.json"
@@ -83,7 +82,7 @@ def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
     hf through the reference venv."""
     backends = "jaxllm,hf" if _has_torch(REF_PYTHON) else "jaxllm,jax-static"
     out = tmp_path / "side.json"
-    cmd = [sys.executable, "-m", "benchmarks", "throughput", "--backend", backends,
+    cmd = [sys.executable, "-m", "jaxllm.benchmarks", "throughput", "--backend", backends,
            *_tiny_args(tiny_config), "--hf-python", REF_PYTHON, "--dataset-name",
            "sharegpt-like", "--num-prompts", "8", "--max-num-seqs", "4",
            "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--enforce-eager",
@@ -149,7 +148,7 @@ def _free_port() -> int:
 def tiny_server(tiny_config, tmp_path_factory):
     port = _free_port()
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "serve", "--model", tiny_config, "--load-format", "dummy",
+    cmd = [sys.executable, "-m", "jaxllm.serve", "--model", tiny_config, "--load-format", "dummy",
            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
            "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
            "--disable-log-requests", "--disable-log-stats"]
@@ -205,9 +204,8 @@ def test_serve_client_keeps_every_request_in_flight_at_rate_inf():
     import asyncio
 
     from aiohttp import web
-
-    from benchmarks.datasets import Request
-    from benchmarks.serve_client import run_benchmark
+    from jaxllm.benchmarks.datasets import Request
+    from jaxllm.benchmarks.serve_client import run_benchmark
 
     num = 130
     in_flight = {"now": 0, "max": 0}
@@ -261,8 +259,8 @@ def test_serve_client_keeps_every_request_in_flight_at_rate_inf():
 def test_hf_batches_dealt_to_devices_and_their_times_summed(tmp_path):
     """--hf-devices: whole static batches, round-robin, one child per device at the same time;
     the reported time is the sum of the children's (one device runs the batches in turn)."""
-    from benchmarks.datasets import Request
-    from benchmarks.hf_backend import run_hf
+    from jaxllm.benchmarks.datasets import Request
+    from jaxllm.benchmarks.hf_backend import run_hf
 
     child = tmp_path / "fake_child.py"  # stands in for torch: records what it was given
     child.write_text(
@@ -288,7 +286,7 @@ def test_hf_batches_dealt_to_devices_and_their_times_summed(tmp_path):
 
 
 def test_results_name_the_source_they_ran(monkeypatch):
-    from benchmarks.provenance import source_commit
+    from jaxllm.benchmarks.provenance import source_commit
 
     monkeypatch.delenv("JAXLLM_COMMIT", raising=False)
     described = source_commit()  # a git checkout: a commit id, "-dirty" if the tree differs
@@ -301,7 +299,7 @@ def test_results_name_the_source_they_ran(monkeypatch):
 
 def test_mixed_step_benchmark_smoke(tmp_path):
     """benchmarks/mixed_step.py end to end in the Pallas interpreter at tiny sizes."""
-    from benchmarks.mixed_step import main as mixed_step_main
+    from jaxllm.benchmarks.mixed_step import main as mixed_step_main
 
     out = tmp_path / "mixed.json"
     assert mixed_step_main(["--smoke", "--heads", "small_gqa", "--decodes", "5",
@@ -316,7 +314,7 @@ def test_mixed_step_benchmark_smoke(tmp_path):
 def test_generate_step_benchmark_smoke(tiny_config, tmp_path, layers):
     """benchmarks/generate_step.py end to end on the tiny model: one row per capacity, the
     contiguous cache sized from the capacity, and a capacity too small for the run refused."""
-    from benchmarks.generate_step import main as generate_step_main
+    from jaxllm.benchmarks.generate_step import main as generate_step_main
 
     out = tmp_path / "gen.json"
     assert generate_step_main(["--model", tiny_config, "--dtype", "float32", "--batch-size", "2",

@@ -10,16 +10,15 @@ import sys
 
 import numpy as np
 import pytest
-
-from benchmarks.datasets import (
+from jaxllm.benchmarks.datasets import (
     SHAREGPT_MAX_LEN,
     SHAREGPT_MIN_LEN,
     sample_requests,
     solve_mu,
     truncated_lognormal_mean,
 )
-from benchmarks.jax_backends import static_batches, static_kv_waste
-from benchmarks.metrics import (
+from jaxllm.benchmarks.jax_backends import static_batches, static_kv_waste
+from jaxllm.benchmarks.metrics import (
     RequestTrace,
     parse_prometheus,
     stats,
@@ -27,7 +26,7 @@ from benchmarks.metrics import (
     throughput_over_time,
     tpot,
 )
-from benchmarks.serve_client import request_intervals
+from jaxllm.benchmarks.serve_client import request_intervals
 
 
 def trace(start, chunk_times, tokens=None, prompt_len=10):
@@ -128,7 +127,7 @@ def test_workloads_are_deterministic_and_respect_their_bounds():
 
 
 def test_static_batching_kv_waste_is_counted_from_the_contiguous_layout():
-    from benchmarks.datasets import Request
+    from jaxllm.benchmarks.datasets import Request
 
     reqs = [Request((1,) * 100, 10), Request((1,) * 28, 13), Request((1,) * 130, 3)]
     batches = list(static_batches(reqs, batch_size=2))
@@ -143,7 +142,8 @@ def test_static_batching_kv_waste_is_counted_from_the_contiguous_layout():
 
 def test_roofline_reproduces_the_reference_llama3_8b_table():
     # performance.md section 6: W = 16.06 GB, 128 KiB KV per token, 4.3 TB/s, context 1024.
-    from benchmarks.latency import kv_bytes_per_token, roofline_s
+    from jaxllm.benchmarks.latency import kv_bytes_per_token, roofline_s
+
     from jaxllm.presets import PRESETS
 
     cfg = PRESETS["llama-3-8b"]

@@ -16,11 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from paged_attention_cases import TOLERANCES, decode_chunks, make_case
-
-from jaxllm.attention import is_decode_batch, paged_attention, resolve_backend
-from jaxllm.batch import BatchMetadata, KVPool
-from pallas_kernels.paged_attention import (
+from jaxllm.pallas_kernels.paged_attention import (
     DecodeConfig,
     PrefillConfig,
     kernels_support,
@@ -29,7 +25,11 @@ from pallas_kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_reference,
 )
-from pallas_kernels.paged_attention.shapes import AWKWARD_LENGTHS, HEAD_SHAPES
+from jaxllm.pallas_kernels.paged_attention.shapes import AWKWARD_LENGTHS, HEAD_SHAPES
+from paged_attention_cases import TOLERANCES, decode_chunks, make_case
+
+from jaxllm.attention import is_decode_batch, paged_attention, resolve_backend
+from jaxllm.batch import BatchMetadata, KVPool
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 

@@ -12,11 +12,11 @@ import re
 import aiohttp
 import openai
 import pytest
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.server import BackgroundServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm import AsyncLLMEngine, EngineConfig, LLMEngine
-from serve.args import ServerConfig
-from serve.server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 

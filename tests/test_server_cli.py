@@ -1,4 +1,4 @@
-"""`jaxllm serve` / `python -m serve` flags (vLLM's spellings onto EngineConfig), start-up
+"""`jaxllm serve` / `python -m jaxllm.serve` flags (vLLM's spellings onto EngineConfig), start-up
 refusals for what jaxllm cannot serve yet, and the memory monitor's leak watch."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ import subprocess
 import sys
 
 import pytest
-
-from serve.args import ServerConfig, build_parser, configs_from_args
-from serve.stats import LeakWatch
+from jaxllm.serve.args import ServerConfig, build_parser, configs_from_args
+from jaxllm.serve.stats import LeakWatch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

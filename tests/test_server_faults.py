@@ -10,10 +10,10 @@ import time
 
 import aiohttp
 import pytest
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.server import BackgroundServer
 
 from jaxllm import AsyncLLMEngine, EngineConfig, LLMEngine
-from serve.args import ServerConfig
-from serve.server import BackgroundServer
 
 pytestmark = pytest.mark.slow
 C = "/v1/completions"

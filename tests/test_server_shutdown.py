@@ -31,7 +31,7 @@ def free_port() -> int:
 def server_process(tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("serve") / "server.log", "w+")
-    cmd = [sys.executable, "-m", "serve", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [sys.executable, "-m", "jaxllm.serve", "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4",
            "--max-num-batched-tokens", "64", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
            "--disable-log-requests", "--disable-log-stats"]

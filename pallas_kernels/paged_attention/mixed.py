@@ -14,8 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.decode import DecodeConfig, paged_attention_decode
-from pallas_kernels.paged_attention.prefill import PrefillConfig, paged_attention_prefill
+from .decode import DecodeConfig, paged_attention_decode
+from .prefill import PrefillConfig, paged_attention_prefill
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "decode_config",

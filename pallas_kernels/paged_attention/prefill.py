@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.paged_attention import common
+from . import common
 
 _INT_MAX = int(np.iinfo(np.int32).max)
 
