@@ -25,9 +25,9 @@ import numpy as np
 from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 
 def make_workload(args) -> tuple[list[list[int]], list[int]]:

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
-from jaxllm.engine.config import resolve_unroll_layers
-from jaxllm.engine.memory import kv_block_bytes
+from jaxllm.engine.engine_config import resolve_unroll_layers
+from jaxllm.engine.kv_sizing import kv_block_bytes
 from jaxllm.models.llama import unstack_layer_params
 
 

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict:
     from tqdm.auto import tqdm
 
     import jaxllm
-    from jaxllm.engine.config import resolve_unroll_layers
+    from jaxllm.engine.engine_config import resolve_unroll_layers
 
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed)

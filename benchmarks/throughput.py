@@ -102,7 +102,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def model_config(args):
     """The ModelConfig, without loading weights (the hf backend needs only the shape)."""
-    from jaxllm.config import ModelConfig
+    from jaxllm.model_config import ModelConfig
     from jaxllm.presets import PRESETS
 
     if args.model in PRESETS and args.load_format == "dummy":
@@ -166,7 +166,7 @@ def run_one(backend: str, args) -> dict:
         import jax
 
         import jaxllm
-        from jaxllm.engine.config import resolve_unroll_layers
+        from jaxllm.engine.engine_config import resolve_unroll_layers
 
         model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                                   seed=args.seed)

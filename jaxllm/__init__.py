@@ -21,19 +21,19 @@ if _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isdir(
     __path__.append(_ROOT)
 
 from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
-from jaxllm.config import ModelConfig, RopeScaling
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
-from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.engine.sequence import SequenceStatus
 from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
 from jaxllm.generate import GenerateOutput, generate
 from jaxllm.llm import LLM
 from jaxllm.loading import LoadedModel, default_model_path, load_model
+from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models import make_forward
 from jaxllm.packing import SeqChunk, pack_batch
+from jaxllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
-from jaxllm.config import ModelConfig
+from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
 from jaxllm.sampling import sample_tokens
 

@@ -6,11 +6,11 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.loading import LoadedModel
+from jaxllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | dict
 

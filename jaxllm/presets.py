@@ -6,7 +6,7 @@ reading any file; numbers are those of the models' published ``config.json``.
 
 from __future__ import annotations
 
-from jaxllm.config import ModelConfig, RopeScaling
+from jaxllm.model_config import ModelConfig, RopeScaling
 
 _LLAMA_7B_BODY = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                       head_dim=128, rms_norm_eps=1e-5)

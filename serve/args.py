@@ -1,5 +1,6 @@
 """``jaxllm serve`` flags, spelled and defaulted as ``vllm serve``'s, mapped onto
-:class:`~jaxllm.engine.config.EngineConfig` (engine) and :class:`ServerConfig` (HTTP front end).
+:class:`~jaxllm.engine.engine_config.EngineConfig` (engine) and :class:`ServerConfig` (HTTP
+front end).
 
 Values jaxllm cannot honour yet (``--tensor-parallel-size 2``, ``--quantization awq`` ...) fail
 here, before anything is loaded, with a message that says what is supported.
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import os
 
-from jaxllm.engine.config import BLOCK_SIZES, EngineConfig
+from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
 API_KEY_ENV = "JAXLLM_API_KEY"

@@ -2,7 +2,7 @@
 
 Every check raises :class:`~serve.errors.APIError` (400) naming the field, so bad input never
 reaches the engine; sampling ranges and their messages come from
-:class:`~jaxllm.engine.sampling_params.SamplingParams` (vLLM's). Unknown fields are ignored, as
+:class:`~jaxllm.sampling_params.SamplingParams` (vLLM's). Unknown fields are ignored, as
 vLLM does; known OpenAI/vLLM features jaxllm lacks are refused with 400 rather than ignored.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxllm.serve.errors import bad_request
 
-from jaxllm.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_STOP = 64  # stop strings / stop token ids per request

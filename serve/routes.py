@@ -10,7 +10,7 @@ from jaxllm.serve.protocol import Fields, GenerationRequest, check_token_ids, pa
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import jaxllm
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 
 async def health(request: web.Request) -> web.Response:

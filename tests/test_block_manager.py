@@ -346,7 +346,7 @@ def test_block_manager_and_scheduler_import_without_jax():
         bm = BlockManager(8, 4, num_cpu_blocks=2, enable_prefix_caching=True)
         assert bm.allocate_slots(1, range(9), 0, 9) == []
         # The rest of the host-side engine is plain Python too.
-        from jaxllm.engine.config import SchedulerConfig
+        from jaxllm.engine.engine_config import SchedulerConfig
         from jaxllm.engine.detokenizer import IncrementalDetokenizer
         from jaxllm.engine.scheduler import Scheduler
         from jaxllm.engine.sequence import SequenceGroup

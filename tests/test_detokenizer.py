@@ -7,7 +7,7 @@ import random
 import pytest
 
 from jaxllm.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 CHINESE = "你好，世界！这是一个测试。我们在流式输出中文文本，每个汉字可能被拆成几个字节。🎉"
 MIXED = "The END marker, then STOP here. Café 🎉 over."

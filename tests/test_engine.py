@@ -13,10 +13,10 @@ import pytest
 from tiny_models import TINY_CONFIGS, random_params
 
 import jaxllm
-from jaxllm.engine.config import EngineConfig, resolve_unroll_layers
+from jaxllm.engine.engine_config import EngineConfig, resolve_unroll_layers
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.sampling_params import SamplingParams
 from jaxllm.loading import LoadedModel
+from jaxllm.sampling_params import SamplingParams
 
 CFG = TINY_CONFIGS["qwen2_bias"]
 BLOCK = 8
@@ -231,7 +231,7 @@ def test_engine_through_the_interpreted_pallas_kernels(model):
 @pytest.mark.parametrize("unroll_layers", [False, True])
 def test_activation_plan_is_compiled_for_either_pool(model, unroll_layers):
     """The GPU memory plan subtracts the largest step's temporaries (compiled, never run)."""
-    from jaxllm.engine.memory import activation_bytes
+    from jaxllm.engine.kv_sizing import activation_bytes
 
     small = activation_bytes(model, 16, 4, 8, "reference", unroll_layers)
     large = activation_bytes(model, 256, 8, 8, "reference", unroll_layers)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.sampler import (
-    SampleRow,
+    SamplerInput,
     SampleVariant,
     apply_penalties,
     build_sampling_metadata,
@@ -17,7 +17,7 @@ from jaxllm.engine.sampler import (
     sample,
     sample_variant,
 )
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 PROBS = np.array([0.4, 0.3, 0.15, 0.1, 0.05])  # distinct, hand-checkable filter boundaries
@@ -35,7 +35,7 @@ def run(logits, rows, md, **overrides):
 
 def kept_set(params: SamplingParams, num_draws: int = 2000) -> tuple[set[int], np.ndarray]:
     """Draws num_draws tokens from PROBS (one row per seed) -> (tokens seen, frequencies)."""
-    rows = [SampleRow(params, seed=s, step=s % 7) for s in range(num_draws)]
+    rows = [SamplerInput(params, seed=s, step=s % 7) for s in range(num_draws)]
     logits = jnp.log(jnp.broadcast_to(jnp.asarray(PROBS, jnp.float32), (num_draws, 5)))
     sampled = np.asarray(run(logits, rows, metadata(rows, width=0)).sampled)
     freq = np.bincount(sampled, minlength=5) / num_draws
@@ -48,7 +48,7 @@ LOGITS_6 = np.array([2.0, -1.0, 0.5, -0.5, 3.0, 1.0], np.float32)
 
 
 def penalised(params: SamplingParams, token_ids, num_prompt: int) -> np.ndarray:
-    rows = [SampleRow(params, 0, 0, token_ids=token_ids, num_prompt_tokens=num_prompt)]
+    rows = [SamplerInput(params, 0, 0, token_ids=token_ids, num_prompt_tokens=num_prompt)]
     md = metadata(rows, width=8)
     return np.asarray(apply_penalties(jnp.asarray(LOGITS_6)[None], md))[0]
 
@@ -81,9 +81,9 @@ def test_penalties_compose_repetition_then_frequency_then_presence():
 
 
 def test_penalties_are_per_row_and_ignore_padding():
-    rows = [SampleRow(SamplingParams(frequency_penalty=1.0), 0, 0, token_ids=[2, 2],
+    rows = [SamplerInput(SamplingParams(frequency_penalty=1.0), 0, 0, token_ids=[2, 2],
                       num_prompt_tokens=0),
-            SampleRow(SamplingParams(), 0, 0, token_ids=[2, 2], num_prompt_tokens=0)]
+            SamplerInput(SamplingParams(), 0, 0, token_ids=[2, 2], num_prompt_tokens=0)]
     md = metadata(rows, num_rows=4, width=8)
     assert np.asarray(md.token_ids)[1].tolist() == [-1] * 8  # neutral rows are not copied
     out = np.asarray(apply_penalties(jnp.tile(jnp.asarray(LOGITS_6), (4, 1)), md))
@@ -92,7 +92,7 @@ def test_penalties_are_per_row_and_ignore_padding():
 
 
 def test_penalties_change_the_greedy_choice():
-    rows = [SampleRow(GREEDY.replace(repetition_penalty=2.0), 0, 0, token_ids=[4],
+    rows = [SamplerInput(GREEDY.replace(repetition_penalty=2.0), 0, 0, token_ids=[4],
                       num_prompt_tokens=1)]
     md = metadata(rows)
     logits = jnp.asarray(LOGITS_6)[None]
@@ -105,8 +105,8 @@ def test_penalties_change_the_greedy_choice():
 
 def test_banned_ids_are_never_sampled_even_when_most_likely():
     logits = jnp.asarray([[9.0, 8.0, 0.0, 0.0, 0.0, 7.5]] * 500)  # [R, 6]
-    rows = [SampleRow(SamplingParams(temperature=2.0), seed=s, step=0, banned_ids=(0, 1))
-            for s in range(499)] + [SampleRow(GREEDY, 0, 0, banned_ids=(0,))]
+    rows = [SamplerInput(SamplingParams(temperature=2.0), seed=s, step=0, banned_ids=(0, 1))
+            for s in range(499)] + [SamplerInput(GREEDY, 0, 0, banned_ids=(0,))]
     sampled = np.asarray(sample(logits, metadata(rows, width=0)).sampled)
     assert not np.isin(sampled[:499], [0, 1]).any()
     assert len(set(sampled[:499].tolist())) == 4  # the other tokens are all reachable
@@ -115,12 +115,12 @@ def test_banned_ids_are_never_sampled_even_when_most_likely():
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
     logits = jax.random.normal(jax.random.key(1), (8, 300))  # [R, V]
-    rows = [SampleRow(GREEDY if i % 2 else SamplingParams(top_p=0.5), seed=i, step=3)
+    rows = [SamplerInput(GREEDY if i % 2 else SamplingParams(top_p=0.5), seed=i, step=3)
             for i in range(7)]  # row 7 is padding: greedy too
     sampled = np.asarray(sample(logits, metadata(rows, num_rows=8, width=0)).sampled)
     argmax = np.asarray(jnp.argmax(logits, axis=-1))
     np.testing.assert_array_equal(sampled[1::2], argmax[1::2])
-    greedy_rows = [SampleRow(GREEDY, 0, 0)] * 8
+    greedy_rows = [SamplerInput(GREEDY, 0, 0)] * 8
     for all_greedy in (True, False):  # the static shortcut and the general path agree
         out = run(logits, greedy_rows, metadata(greedy_rows, width=0), all_greedy=all_greedy)
         np.testing.assert_array_equal(np.asarray(out.sampled), argmax)
@@ -128,7 +128,7 @@ def test_greedy_rows_take_the_argmax_in_a_mixed_batch():
 
 def test_tiny_temperature_is_greedy():
     logits = jax.random.normal(jax.random.key(2), (4, 50))
-    rows = [SampleRow(SamplingParams(temperature=1e-6), seed=i, step=0) for i in range(4)]
+    rows = [SamplerInput(SamplingParams(temperature=1e-6), seed=i, step=0) for i in range(4)]
     np.testing.assert_array_equal(np.asarray(sample(logits, metadata(rows, width=0)).sampled),
                                   np.asarray(jnp.argmax(logits, axis=-1)))
 
@@ -182,7 +182,7 @@ def test_top_k_draws_follow_the_renormalised_distribution():
 def test_a_seed_and_step_draw_the_same_token_in_any_batch_row_or_bucket():
     vocab = 1000
     base = jax.random.normal(jax.random.key(3), (vocab,))  # the same logits for every row
-    rows = [SampleRow(SamplingParams(temperature=1.5), seed=1000 + i, step=i * 3)
+    rows = [SamplerInput(SamplingParams(temperature=1.5), seed=1000 + i, step=i * 3)
             for i in range(6)]
 
     def draw(batch, num_rows, extra=()):
@@ -195,12 +195,12 @@ def test_a_seed_and_step_draw_the_same_token_in_any_batch_row_or_bucket():
     alone = [draw([row], 1)[0] for row in rows]
     reversed_ = draw(rows[::-1], 16)[:6][::-1]
     # Another row needing top-p makes the batch sort the vocabulary: no effect on the others.
-    with_sort = draw(rows, 8, extra=[SampleRow(SamplingParams(top_p=0.3), 5, 5)])[:6]
+    with_sort = draw(rows, 8, extra=[SamplerInput(SamplingParams(top_p=0.3), 5, 5)])[:6]
     np.testing.assert_array_equal(together, alone)
     np.testing.assert_array_equal(together, reversed_)
     np.testing.assert_array_equal(together, with_sort)
     assert len(set(together.tolist())) > 1  # different (seed, step) pairs draw differently
-    next_step = [SampleRow(r.params, r.seed, r.step + 1) for r in rows]
+    next_step = [SamplerInput(r.params, r.seed, r.step + 1) for r in rows]
     assert (draw(next_step, 8)[:6] != together).any()
 
 
@@ -209,7 +209,7 @@ def test_a_seed_and_step_draw_the_same_token_in_any_batch_row_or_bucket():
 
 def test_logprobs_are_the_raw_log_softmax_and_top_k_is_sorted():
     logits = jax.random.normal(jax.random.key(4), (4, 64)) * 3  # [R, V]
-    rows = [SampleRow(SamplingParams(repetition_penalty=2.0, top_k=5), seed=i, step=0,
+    rows = [SamplerInput(SamplingParams(repetition_penalty=2.0, top_k=5), seed=i, step=0,
                       banned_ids=(int(jnp.argmax(logits[i])),), token_ids=[1, 2, 3],
                       num_prompt_tokens=1) for i in range(3)]
     out = sample(logits, metadata(rows, num_rows=4), num_logprobs=5, use_penalties=True)
@@ -229,7 +229,7 @@ def test_logprobs_are_the_raw_log_softmax_and_top_k_is_sorted():
 
 def test_two_stage_top_logprobs_equal_lax_top_k_ties_included():
     logits = jnp.round(jax.random.normal(jax.random.key(7), (3, 4096)) * 4) / 4  # many ties
-    out = sample(logits, metadata([SampleRow(GREEDY, 0, 0)] * 3, width=0), num_logprobs=20)
+    out = sample(logits, metadata([SamplerInput(GREEDY, 0, 0)] * 3, width=0), num_logprobs=20)
     values, ids = jax.lax.top_k(logits, 20)
     np.testing.assert_array_equal(np.asarray(out.top_ids), np.asarray(ids))
     np.testing.assert_allclose(np.asarray(out.top_logprobs),
@@ -240,7 +240,7 @@ def test_no_penalty_variant_equals_the_penalty_variant_when_penalties_are_neutra
     logits = jax.random.normal(jax.random.key(5), (8, 200))
     params = [SamplingParams(), GREEDY, SamplingParams(top_k=7), SamplingParams(top_p=0.8),
               SamplingParams(min_p=0.2, temperature=0.7)]
-    rows = [SampleRow(p, seed=i, step=i, banned_ids=(i,), token_ids=list(range(i, 40)),
+    rows = [SamplerInput(p, seed=i, step=i, banned_ids=(i,), token_ids=list(range(i, 40)),
                       num_prompt_tokens=5) for i, p in enumerate(params)]
     with_counts = build_sampling_metadata(rows, 8, 64, 2)
     # Neutral rows skip the token copy; force it to exercise the scatter-add anyway.
@@ -252,7 +252,7 @@ def test_no_penalty_variant_equals_the_penalty_variant_when_penalties_are_neutra
 
 
 def test_sample_traces_inside_an_outer_jit():
-    rows = [SampleRow(SamplingParams(top_p=0.9), 1, 2), SampleRow(GREEDY, 3, 4)]
+    rows = [SamplerInput(SamplingParams(top_p=0.9), 1, 2), SamplerInput(GREEDY, 3, 4)]
     md = metadata(rows, width=0)
 
     @jax.jit
@@ -268,7 +268,7 @@ def test_sample_traces_inside_an_outer_jit():
 
 
 def test_build_pads_rows_greedy_and_neutral():
-    rows = [SampleRow(SamplingParams(temperature=0.5, top_k=3, seed=9), seed=2**32 + 9, step=4,
+    rows = [SamplerInput(SamplingParams(temperature=0.5, top_k=3, seed=9), seed=2**32 + 9, step=4,
                       banned_ids=(2, 7), token_ids=[5, 6], num_prompt_tokens=1)]
     md = build_sampling_metadata(rows, 4, 0, 3)
     assert md.temperature.tolist() == [0.5, 0, 0, 0] and md.top_k.tolist() == [3, 0, 0, 0]
@@ -281,13 +281,13 @@ def test_build_pads_rows_greedy_and_neutral():
     with pytest.raises(ValueError, match="banned_width"):
         build_sampling_metadata(rows, 4, 0, 1)
     with pytest.raises(ValueError, match="penalty_width_bucket"):
-        build_sampling_metadata([SampleRow(SamplingParams(presence_penalty=1.0), 0, 0,
+        build_sampling_metadata([SamplerInput(SamplingParams(presence_penalty=1.0), 0, 0,
                                            token_ids=[1, 2, 3])], 1, 2, 0)
 
 
 def test_sample_variant_is_the_cheapest_right_one():
     def variant(*params):
-        return sample_variant([SampleRow(p, 0, 0) for p in params])
+        return sample_variant([SamplerInput(p, 0, 0) for p in params])
 
     assert variant() == SampleVariant(all_greedy=True, use_top_k_top_p=False)
     assert variant(GREEDY, GREEDY.replace(top_k=5)) == SampleVariant(
@@ -300,7 +300,7 @@ def test_sample_variant_is_the_cheapest_right_one():
 
 
 def test_penalty_width_counts_only_rows_that_need_penalties():
-    plain = SampleRow(SamplingParams(), 0, 0, token_ids=list(range(50)))
-    penal = SampleRow(SamplingParams(frequency_penalty=0.1), 0, 0, token_ids=np.arange(20))
+    plain = SamplerInput(SamplingParams(), 0, 0, token_ids=list(range(50)))
+    penal = SamplerInput(SamplingParams(frequency_penalty=0.1), 0, 0, token_ids=np.arange(20))
     assert not needs_penalties(plain.params) and needs_penalties(penal.params)
     assert penalty_width([plain]) == 0 and penalty_width([plain, penal]) == 20

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from test_engine import BLOCK, CFG, assert_no_leak, make_engine, model, reference  # noqa: F401
 
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("seed, policy, mode", [(0, "fcfs", None), (1, "priority", None),

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 
 from jaxllm.engine.block_manager import BlockManager
-from jaxllm.engine.config import SchedulerConfig
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.engine.engine_config import SchedulerConfig
 from jaxllm.engine.scheduler import RequestRejectedError, Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxllm.sampling_params import SamplingParams
 
 BS = 4
 _ids = iter(range(10**6))

@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

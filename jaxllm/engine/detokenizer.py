@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5  # prompt tokens of decoder context (vLLM's)
 # Give up waiting for a UTF-8 character to complete after this many undecodable tokens: only

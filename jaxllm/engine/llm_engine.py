@@ -19,18 +19,17 @@ import numpy as np
 
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
-from jaxllm.engine.config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.memory import plan_kv_blocks
+from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
+from jaxllm.engine.kv_sizing import plan_kv_blocks
 from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.engine.sampler import SampleRow as SamplerRow
-from jaxllm.engine.sampler import needs_penalties
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.engine.sampler import SamplerInput, needs_penalties
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import unstack_layer_params
+from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 # A launched step: what was scheduled, its device result, each sample row's token position.
@@ -261,10 +260,10 @@ class LLMEngine:
         stats.output_seconds += time.perf_counter() - t2
         return outputs
 
-    def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerRow:
+    def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
         banned = self._banned_ids(params) if seq.num_output_tokens < params.min_tokens else ()
-        return SamplerRow(params=params, seed=seq.seed, step=seq.num_output_tokens,
+        return SamplerInput(params=params, seed=seq.seed, step=seq.num_output_tokens,
                           banned_ids=banned, token_ids=seq.token_ids,
                           num_prompt_tokens=seq.num_prompt_tokens)
 

@@ -22,18 +22,18 @@ import numpy as np
 from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, copy_blocks
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.sampler import (
+    SamplerInput,
     SamplerOutput,
-    SampleRow,
     SampleVariant,
     build_sampling_metadata,
     penalty_width,
     sample,
     sample_variant,
 )
-from jaxllm.engine.sampling_params import MAX_LOGPROBS
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
+from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class ModelRunner:
             decode_only=shape.is_decode)
 
     # --------------------------------------------------------------------- step
-    def dispatch(self, out: SchedulerOutput, rows: Sequence[SampleRow],
+    def dispatch(self, out: SchedulerOutput, rows: Sequence[SamplerInput],
                  prev: PendingStep | None = None) -> PendingStep:
         """Packs and launches one step without waiting for the device (JAX dispatch is
         asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.engine.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+from jaxllm.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 
 PAD_ID = -1  # padding in banned_ids and token_ids
 
@@ -209,7 +209,7 @@ def sample(
 
 
 @dataclasses.dataclass(slots=True)
-class SampleRow:
+class SamplerInput:
     """One sequence to sample this step, as the model runner knows it.
 
     ``token_ids`` (prompt + output so far) is only read when the step uses penalties; a numpy
@@ -231,7 +231,7 @@ def needs_penalties(params: SamplingParams) -> bool:
 
 
 def build_sampling_metadata(
-    rows: Sequence[SampleRow],
+    rows: Sequence[SamplerInput],
     num_rows_bucket: int,
     penalty_width_bucket: int,
     banned_width: int,
@@ -291,7 +291,7 @@ class SampleVariant(NamedTuple):
     use_top_k_top_p: bool = True
 
 
-def sample_variant(rows: Sequence[SampleRow]) -> SampleVariant:
+def sample_variant(rows: Sequence[SamplerInput]) -> SampleVariant:
     """The cheapest variant of ``sample`` that is right for these rows (padding needs none).
 
     ``num_logprobs`` is the largest request; round it up (to 0 or 20, say) to compile less.
@@ -305,7 +305,7 @@ def sample_variant(rows: Sequence[SampleRow]) -> SampleVariant:
                             for p in params))
 
 
-def penalty_width(rows: Sequence[SampleRow]) -> int:
+def penalty_width(rows: Sequence[SamplerInput]) -> int:
     """Tokens the penalty variant must see (0 when no row needs penalties); round it up to a
     bucket before calling ``build_sampling_metadata``."""
     return max((len(r.token_ids) for r in rows

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from jaxllm.engine.block_manager import BlockManager
-from jaxllm.engine.config import SchedulerConfig
+from jaxllm.engine.engine_config import SchedulerConfig
 from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class ScheduledSeq:
 
 
 @dataclasses.dataclass
-class SampleRow:
+class ScheduledSample:
     """Sample one token for ``seq`` from the logits of ``source``'s last scheduled token
     (``source`` is ``seq`` itself, or the parent when a request forks into n samples)."""
 
@@ -43,7 +43,7 @@ class SampleRow:
 @dataclasses.dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
-    sample_rows: list[SampleRow] = dataclasses.field(default_factory=list)
+    sample_rows: list[ScheduledSample] = dataclasses.field(default_factory=list)
     # Device-side block moves, applied in this order before the forward:
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -333,13 +333,13 @@ class Scheduler:
         budget.seqs -= 1
         if seq.num_computed_tokens < seq.num_tokens:
             return  # a chunk of a longer prompt: no token to sample yet
-        out.sample_rows.append(SampleRow(seq, seq, group))
+        out.sample_rows.append(ScheduledSample(seq, seq, group))
         if group.needs_fork:
             for index in range(len(group.seqs), group.params.n):
                 child = seq.fork(self._next_seq_id(), index, seed=seq.seed + index)
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 group.seqs.append(child)
-                out.sample_rows.append(SampleRow(child, seq, group))
+                out.sample_rows.append(ScheduledSample(child, seq, group))
                 budget.seqs -= 1
 
     def _unschedule(self, group: SequenceGroup, budget: _Budget, out: SchedulerOutput) -> None:

@@ -12,7 +12,7 @@ import enum
 import time
 from typing import Any
 
-from jaxllm.engine.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN = -1  # a token being sampled on the device right now
 

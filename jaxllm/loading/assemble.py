@@ -13,8 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.errors import ModelLoadError
+from jaxllm.model_config import ModelConfig
 
 GetTensor = Callable[[str], np.ndarray]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from jaxllm.config import ModelConfig
+from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import param_shapes
 
 DUMMY_RANGE = 1e-3

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxllm.config import ModelConfig
 from jaxllm.errors import ModelLoadError, UnsupportedModelError
+from jaxllm.model_config import ModelConfig
 
 # Quantization types we dequantize (all have numpy dequantizers in the `gguf` package and
 # are what llama-family GGUFs on the hub use). Others fail at load with the list below.

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxllm.attention import paged_attention, write_kv
 from jaxllm.batch import AnyKVPool, BatchMetadata, KVPool, LayeredKVPool
-from jaxllm.config import ModelConfig
+from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 
 Dtype = Any

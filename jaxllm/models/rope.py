@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import ModelConfig
+from jaxllm.model_config import ModelConfig
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
