@@ -55,8 +55,10 @@ class EngineStats:
         """Host time on the critical path (not overlapped with the device)."""
         return self.schedule_seconds + self.prepare_seconds + self.update_seconds
     finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
-    kv_slots_reserved: int = 0  # sum over steps of block slots held by running sequences
+    # KV slots summed over steps (jaxllm.engine.kv_usage defines waste and utilisation from them)
+    kv_slots_reserved: int = 0  # block-table slots of running sequences
     kv_slots_used: int = 0  # ... of which hold a token
+    kv_slots_capacity: int = 0  # usable blocks x block_size
 
 
 class LLMEngine:
@@ -352,8 +354,9 @@ class LLMEngine:
             end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
             stats.prompt_tokens += max(0, end - item.start)
         stats.generation_tokens += len(out.sample_rows)
-        block = self.block_manager.block_size
+        bm = self.block_manager
+        stats.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
         for group in self.scheduler.running:
             for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-                stats.kv_slots_reserved += -(-seq.num_computed_tokens // block) * block
+                stats.kv_slots_reserved += bm.num_blocks(seq.seq_id) * bm.block_size
                 stats.kv_slots_used += seq.num_computed_tokens
