@@ -4,8 +4,11 @@ Static batching = ``jaxllm.generate`` on batches of ``--batch-size`` padded prom
 batch starts together and runs until its longest request is done, then the next batch starts.
 Continuous batching = ``LLMEngine`` with ``max_num_seqs = --batch-size``: a finished request's
 slot is refilled at the next step. Both use greedy decoding with fixed per-request output
-lengths (EOS ignored), so both produce exactly the same useful tokens; compilation is done
-before timing in both cases.
+lengths (EOS ignored), so both must produce exactly the same useful tokens: each side's count
+comes from its outputs (static: ``generate()``'s ``num_tokens``, each row up to its own length;
+continuous: the finished outputs), and the run fails when either differs from the requested
+total. KV waste: :mod:`jaxllm.engine.kv_usage` for both. Compilation is done before timing in
+both cases.
 
     python -m jaxllm.benchmarks.continuous_vs_static --num-prompts 64 --batch-size 16
 """
@@ -22,10 +25,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxllm.benchmarks.metrics import check_output_tokens
 from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
 from jaxllm.engine.engine_config import EngineConfig
+from jaxllm.engine.kv_usage import KVUsage, contiguous_batch, engine_usage
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.sampling_params import SamplingParams
 
@@ -40,9 +45,12 @@ def make_workload(args) -> tuple[list[list[int]], list[int]]:
     return prompts, outputs
 
 
-def run_static(model, prompts, outputs, batch_size) -> tuple[float, int]:
+def run_static(model, prompts, outputs, batch_size) -> tuple[float, int, KVUsage]:
+    """Seconds, useful tokens counted from the outputs, and KV usage (each batch's rows own
+    ``width + new`` contiguous slots while it runs)."""
     width = max(map(len, prompts))
     batches = []
+    usage = KVUsage()
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         ids = np.zeros((batch_size, width), np.int32)
@@ -50,22 +58,29 @@ def run_static(model, prompts, outputs, batch_size) -> tuple[float, int]:
         for i, p in enumerate(chunk):
             ids[i, :len(p)] = p
             lens[i] = len(p)
-        longest = max(outputs[start:start + batch_size])
-        batches.append((jnp.asarray(ids), jnp.asarray(lens), -(-longest // 16) * 16))
+        wanted = outputs[start:start + batch_size]
+        new = -(-max(wanted) // 16) * 16
+        batches.append((jnp.asarray(ids), jnp.asarray(lens), new, wanted))
+        usage += contiguous_batch(map(len, chunk), wanted, new, rows=batch_size, width=width,
+                                  cache_len=width + new)
     call = lambda ids, lens, new: jaxllm.generate(
         model.params, ids, lens, jax.random.key(0), config=model.config, max_new_tokens=new)
     for new in sorted({b[2] for b in batches}):  # compile every shape before timing
         jax.block_until_ready(call(batches[0][0], batches[0][1], new).tokens)
     start = time.perf_counter()
-    for ids, lens, new in batches:
-        jax.block_until_ready(call(ids, lens, new).tokens)
-    return time.perf_counter() - start, sum(outputs)
+    counts = [jax.block_until_ready(call(ids, lens, new).num_tokens)
+              for ids, lens, new, _ in batches]
+    elapsed = time.perf_counter() - start
+    produced = sum(min(int(n), want) for c, (*_, wanted) in zip(counts, batches, strict=True)
+                   for n, want in zip(np.asarray(c), wanted, strict=False))  # + padding rows
+    return elapsed, produced, usage
 
 
 def run_continuous(model, prompts, outputs, batch_size, max_batched) -> tuple[float, dict]:
     engine = LLMEngine(EngineConfig(max_num_seqs=batch_size, max_num_batched_tokens=max_batched,
                                     max_model_len=max(map(len, prompts)) + max(outputs) + 1),
                        model=model)
+    kv_before = engine_usage(engine.stats)
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, outputs, strict=True)):
         engine.add_request(str(i), prompt_token_ids=p, params=SamplingParams(
@@ -82,7 +97,7 @@ def run_continuous(model, prompts, outputs, batch_size, max_batched) -> tuple[fl
         "host_ms_per_step": 1e3 * stats.host_seconds / stats.num_steps,
         "overlapped_output_ms_per_step": 1e3 * stats.output_seconds / stats.num_steps,
         "device_wait_ms_per_step": 1e3 * stats.device_wait_seconds / stats.num_steps,
-        "kv_waste": 1 - stats.kv_slots_used / max(1, stats.kv_slots_reserved),
+        **(engine_usage(stats) - kv_before).as_dict(),
         "warm_up_s": engine.warm_up_seconds,
     }
 
@@ -107,10 +122,12 @@ def main() -> None:
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format)
     args.vocab = model.config.vocab_size
     prompts, outputs = make_workload(args)
-    static_s, useful = run_static(model, prompts, outputs, args.batch_size)
+    useful = sum(outputs)
+    static_s, static_tokens, static_kv = run_static(model, prompts, outputs, args.batch_size)
     cont_s, cont = run_continuous(model, prompts, outputs, args.batch_size,
                                   args.max_num_batched_tokens)
-    assert cont["generated_tokens"] == useful
+    check_output_tokens("static", static_tokens, useful)
+    check_output_tokens("continuous", cont["generated_tokens"], useful)
     result = {
         "date": datetime.date.today().isoformat(),
         "commit": source_commit(),
@@ -118,7 +135,8 @@ def main() -> None:
                   f", {os.cpu_count()} cores)",
         "model": model.name, "dtype": str(model.dtype), "args": vars(args),
         "useful_output_tokens": useful,
-        "static": {"seconds": static_s, "output_tokens_per_s": useful / static_s},
+        "static": {"seconds": static_s, "output_tokens_per_s": useful / static_s,
+                   "generated_tokens": static_tokens, **static_kv.as_dict()},
         "continuous": {"seconds": cont_s, "output_tokens_per_s": useful / cont_s, **cont},
         "speedup": static_s / cont_s,
     }
@@ -131,7 +149,8 @@ def main() -> None:
     print(f"speedup {result['speedup']:.2f}x; continuous: host critical path "
           f"{cont['host_ms_per_step']:.2f} ms/step, overlapped output work "
           f"{cont['overlapped_output_ms_per_step']:.2f} ms/step, device wait "
-          f"{cont['device_wait_ms_per_step']:.2f} ms/step; KV waste {cont['kv_waste']:.1%}")
+          f"{cont['device_wait_ms_per_step']:.2f} ms/step; KV waste {cont['kv_waste']:.1%} "
+          f"(static {static_kv.waste:.1%})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The JAX backends of ``bench throughput`` (``jaxllm`` and ``jax-static``), run in the
-benchmark's process; :mod:`benchmarks.throughput` describes what each one measures."""
+benchmark's process; :mod:`benchmarks.throughput` describes what each one measures. Each returns
+the output tokens it produced, counted from its outputs (``generated_tokens``), its KV usage
+(:mod:`jaxllm.engine.kv_usage`) and its sampled peak memory (:mod:`benchmarks.device_memory`)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,25 @@ import time
 
 import numpy as np
 from jaxllm.benchmarks.datasets import Request
+from jaxllm.benchmarks.device_memory import PeakSampler
+
+from jaxllm.engine.kv_usage import KVUsage, contiguous_batch, engine_usage
+
+MEMORY_SOURCE = "jax memory_stats bytes_in_use"
 
 
 def device_bytes_in_use() -> int | None:
     import jax
 
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_in_use")
+
+
+def _planned_peak(held: int | None, temp: int) -> dict:
+    """The extra, planned figure: bytes held before the clock + the largest compiled step's
+    temporaries (XLA's memory analysis)."""
+    if held is None:
+        return {"max_step_temp_bytes": temp}
+    return {"planned_peak_bytes": held + temp, "held_bytes": held, "max_step_temp_bytes": temp}
 
 
 def run_jaxllm(model, requests: list[Request], args) -> dict:
@@ -35,38 +50,37 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
               "device_wait_seconds")
     before = {p: getattr(engine.stats, p) for p in phases} | {"steps": engine.stats.num_steps}
-    start = time.perf_counter()
-    for i, r in enumerate(requests):
-        engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids), params=SamplingParams(
-            n=args.n, temperature=1.0, max_tokens=r.output_len, ignore_eos=True, seed=i))
+    kv_before = engine_usage(engine.stats)
+    held = device_bytes_in_use()  # weights and pool, before the clock
     produced = 0
-    # JAX's own peak counts compile-time scratch (the GEMM autotuner's); the generation's peak is
-    # what is held between steps (weights, pool) plus the largest step's temporaries.
-    held = device_bytes_in_use()
-    with tqdm(total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
+    with PeakSampler(device_bytes_in_use) as memory, tqdm(
+            total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
+        start = time.perf_counter()
+        for i, r in enumerate(requests):
+            engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids),
+                               params=SamplingParams(n=args.n, temperature=1.0,
+                                                     max_tokens=r.output_len, ignore_eos=True,
+                                                     seed=i))
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
+                if out.finished:  # what the engine produced, not what was asked
                     produced += sum(len(c.token_ids) for c in out.outputs)
                     bar.update(1)
-            if held is not None and engine.stats.num_steps % 16 == 0:
-                held = max(held, device_bytes_in_use() or 0)
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
     s = engine.stats
     steps = max(1, s.num_steps - before["steps"])
     # Where a step's time goes: host work on the critical path (schedule, prepare, update),
     # host work overlapped with the device (output), and waiting for the device.
     step_ms = {p.removesuffix("_seconds") + "_ms": 1e3 * (getattr(s, p) - before[p]) / steps
                for p in phases}
-    memory = {} if held is None else {
-        "generation_peak_bytes": held + engine.runner.max_step_temp_bytes,
-        "held_bytes": held, "max_step_temp_bytes": engine.runner.max_step_temp_bytes}
     return {"elapsed_s": elapsed, "generated_tokens": produced, "steps": s.num_steps,
             "step_ms": 1e3 * elapsed / steps, "step_phases_ms": step_ms,
-            "kv_waste": 1 - s.kv_slots_used / max(1, s.kv_slots_reserved),
+            **(engine_usage(s) - kv_before).as_dict(),
             "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
             "stream_outputs": engine.stream_outputs,
-            "warm_up_s": getattr(engine, "warm_up_seconds", None), **memory,
+            "warm_up_s": getattr(engine, "warm_up_seconds", None),
+            **memory.result(MEMORY_SOURCE),
+            **_planned_peak(held, engine.runner.max_step_temp_bytes),
             "engine_config": {k: v for k, v in vars(engine.config).items()
                               if isinstance(v, (int, float, str, bool, type(None)))}}
 
@@ -87,16 +101,21 @@ def static_capacity(batches) -> int:
     return -(-max(new for _, _, new in batches) // 16) * 16
 
 
-def static_kv_waste(batches, batch_size: int) -> float:
-    """Share of reserved contiguous KV slots holding no useful token, summed over decode steps."""
+def static_kv_usage(batches, batch_size: int) -> KVUsage:
+    """KV usage over every decode step: each of the batch's ``batch_size`` rows (padding rows
+    too) owns ``width + capacity`` contiguous slots while the batch runs."""
     capacity = static_capacity(batches)
-    reserved = used = 0
+    usage = KVUsage()
     for chunk, width, new in batches:
-        steps = np.arange(1, new + 1)  # tokens generated after each decode step
-        reserved += batch_size * (width + capacity) * new
-        for r in chunk:
-            used += int((r.prompt_len + np.minimum(steps, r.output_len)).sum())
-    return 1 - used / max(1, reserved)
+        usage += contiguous_batch([r.prompt_len for r in chunk], [r.output_len for r in chunk],
+                                  new, rows=batch_size, width=width, cache_len=width + capacity)
+    return usage
+
+
+def produced_tokens(num_tokens: np.ndarray, chunk: list[Request]) -> int:
+    """Useful tokens of a static batch from its outputs: row i's first ``output_len`` tokens of
+    the ``num_tokens[i]`` it generated (rows past the chunk are padding)."""
+    return sum(min(int(num_tokens[i]), r.output_len) for i, r in enumerate(chunk))
 
 
 def run_jax_static(model, requests: list[Request], args) -> dict:
@@ -119,9 +138,10 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
         arrays.append((jnp.asarray(ids), jnp.asarray(lens), jnp.full(batch_size, new)))
 
     def generate(params, ids, lens, new, key):
-        return jaxllm.generate(params, ids, lens, key, config=model.config,
-                               max_new_tokens=capacity, row_max_new_tokens=new,
-                               temperature=1.0, block_size=args.block_size).tokens
+        out = jaxllm.generate(params, ids, lens, key, config=model.config,
+                              max_new_tokens=capacity, row_max_new_tokens=new,
+                              temperature=1.0, block_size=args.block_size)
+        return out.tokens, out.num_tokens
 
     compile_start = time.perf_counter()  # one shape: compile (and run once) before timing
     call = jax.jit(generate).lower(model.params, *arrays[0], jax.random.key(0)).compile()
@@ -131,14 +151,18 @@ def run_jax_static(model, requests: list[Request], args) -> dict:
     plan = call.memory_analysis()
     temp = int(getattr(plan, "temp_size_in_bytes", 0) or 0) + int(
         getattr(plan, "output_size_in_bytes", 0) or 0)
-    memory = {} if held is None else {"generation_peak_bytes": held + temp, "held_bytes": held,
-                                      "max_step_temp_bytes": temp}
-    start = time.perf_counter()
-    for i, (ids, lens, new) in enumerate(tqdm(arrays, desc="jax-static", unit="batch",
-                                               disable=args.no_progress)):
-        jax.block_until_ready(call(model.params, ids, lens, new, jax.random.key(i)))
-    elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "generated_tokens": sum(r.output_len for r in requests)
-            * args.n, "num_batches": len(batches), "batch_size": batch_size,
-            "output_capacity": capacity, "warm_up_s": compile_s, **memory,
-            "kv_waste": static_kv_waste(batches, batch_size)}
+    counts = []
+    with PeakSampler(device_bytes_in_use) as memory:
+        start = time.perf_counter()
+        for i, (ids, lens, new) in enumerate(tqdm(arrays, desc="jax-static", unit="batch",
+                                                   disable=args.no_progress)):
+            counts.append(jax.block_until_ready(
+                call(model.params, ids, lens, new, jax.random.key(i)))[1])
+        elapsed = time.perf_counter() - start
+    produced = sum(produced_tokens(np.asarray(c), chunk)
+                   for c, (chunk, _, _) in zip(counts, batches, strict=True))
+    return {"elapsed_s": elapsed, "generated_tokens": produced,
+            "num_batches": len(batches), "batch_size": batch_size,
+            "output_capacity": capacity, "warm_up_s": compile_s,
+            **memory.result(MEMORY_SOURCE), **_planned_peak(held, temp),
+            **static_kv_usage(batches, batch_size).as_dict()}

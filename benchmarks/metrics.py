@@ -1,5 +1,6 @@
 """Serving metrics with vLLM's definitions (``benchmarks/benchmark_serving.py``), as pure
-functions of per-request timelines, plus a Prometheus text parser for ``/metrics``.
+functions of per-request timelines, a Prometheus text parser for ``/metrics``, and the offline
+benchmark's token-count check (:func:`check_output_tokens`).
 
 For one request sent at ``start`` whose output tokens arrive at ``t_1 <= ... <= t_k``
 (chunk arrival times; a chunk may carry several tokens):
@@ -25,6 +26,21 @@ import numpy as np
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT (excl. 1st token)", "itl": "ITL",
                 "e2el": "E2EL"}
+
+
+class TokenCountError(ValueError):
+    """A backend produced a different number of output tokens than the workload asked for."""
+
+
+def check_output_tokens(backend: str, produced: int, requested: int) -> int:
+    """``produced`` (counted from what the backend returned) when it is what the workload asked
+    for; with ``ignore_eos`` every request generates exactly its output length, so any other
+    count means the backend did other work than the others and its figures would not compare."""
+    if produced != requested:
+        raise TokenCountError(
+            f"{backend} produced {produced} output tokens but the workload asked for {requested} "
+            f"(ignore_eos, fixed output lengths): its throughput would not count what happened")
+    return produced
 
 
 @dataclasses.dataclass

@@ -1,27 +1,49 @@
 """``bench throughput``: offline generation throughput, several backends on identical prompts.
 
     python -m jaxllm.benchmarks throughput --model llama-3-8b --load-format dummy \\
-        --dtype bfloat16 \\
-        --dataset-name sharegpt-like --num-prompts 1000 --backend jaxllm,hf,jax-static
+        --dtype bfloat16 --dataset-name sharegpt-like --num-prompts 1000 \\
+        --backend jaxllm,hf-tuned --devices 0,1
 
-Backends (all sample at temperature 1 with fixed output lengths, EOS ignored, as vLLM's
-``benchmark_throughput.py``; compilation / warm-up happens before the clock starts):
+Every backend samples at temperature 1 with fixed output lengths, EOS ignored, as vLLM's
+``benchmark_throughput.py``; compilation and warm-up happen before the clock starts.
 
 - ``jaxllm``: :class:`~jaxllm.LLMEngine` (paged KV cache, continuous batching) with the engine
-  flags given here; KV waste from ``EngineStats`` (1 - kv_slots_used / kv_slots_reserved, i.e.
-  the share of slots in running sequences' blocks holding no token, averaged over steps).
+  flags given here.
 - ``jax-static``: :func:`jaxllm.generate` on static batches of ``--jax-static-batch-size`` (default
   ``--max-num-seqs``) prompts in the given order: one jitted prefill + decode loop per batch over a
   private pool in which each row owns a contiguous run of ``width + capacity`` slots (a contiguous
   per-sequence cache); one compiled shape for all batches: width = the longest prompt rounded up to
   128, capacity = the longest output rounded up to 16; short batches padded with dummy rows. Every
-  row decodes the batch's longest output (``row_max_new_tokens``). KV waste is computed from that
-  layout: at each decode step, reserved = rows x (width + capacity) slots, used = for each real
-  request its prompt plus the part of its requested output produced so far.
-- ``hf``: transformers ``generate()`` in a child interpreter (:mod:`benchmarks.hf_backend`).
+  row decodes the batch's longest output (``row_max_new_tokens``).
+- ``hf``: vLLM's ``--backend hf`` (what vLLM's own ratios are against): transformers
+  ``generate()`` on static batches of ``--hf-max-batch-size`` prompts in the given order, dynamic
+  cache (:mod:`benchmarks.hf_backend`).
+- ``hf-tuned``: a tuned static-batching transformers: prompts sorted by length into batches, sdpa
+  attention, a static cache compiled with ``torch.compile`` on CUDA (``--hf-tuned-cache``;
+  :mod:`benchmarks.hf_tuned` says why for both workloads).
+- ``hf-cb``: transformers' own continuous batching (the manager behind ``generate_batch``; paged
+  cache, every request added at once with its own output length).
 
-With several backends, each runs in its own child process (clean device memory and peak
-counters), and the parent prints them side by side and writes one JSON.
+One definition each, for every backend:
+
+- Output tokens are the tokens the backend produced, counted from what it returned (jaxllm: the
+  finished outputs; jax-static: ``generate()``'s ``num_tokens``; hf variants: the returned ids,
+  up to the first EOS), each row up to its requested length: a static batch's rows that decode
+  past their own length do waste, not output. Throughput is produced tokens over timed seconds;
+  a run whose count differs from the requested total fails (``TokenCountError``, after its JSON
+  is written).
+- KV waste and pool utilisation: :mod:`jaxllm.engine.kv_usage`, time-averaged over steps (waste
+  = 1 - used / reserved slots, utilisation = reserved / pool slots; block tables vs tokens for
+  jaxllm, the whole contiguous cache vs real tokens for jax-static and hf's static caches, rows x
+  padded length for hf's dynamic cache). hf-cb: n/a, its block tables stay inside transformers.
+- Peak memory: :mod:`benchmarks.device_memory`, device bytes in use sampled by a thread during
+  the timed run (n/a on CPU). Extras beside it: ``planned_peak_bytes`` (held before the clock +
+  the largest compiled step's temporaries), ``jax_peak_bytes_in_use`` (JAX's own peak, compile
+  scratch included), ``allocator_peak_bytes`` (torch), ``host_peak_rss_bytes``.
+
+With several backends, each runs in its own child process (clean device memory), and the parent
+prints them side by side, each one's output tokens/s over every hf variant's (``ratios`` in the
+JSON), and writes one JSON.
 """
 
 from __future__ import annotations
@@ -32,15 +54,19 @@ import datetime
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
 
 from jaxllm.benchmarks.datasets import Request, add_dataset_args, sample_requests
+from jaxllm.benchmarks.device_memory import host_peak_rss_bytes
+from jaxllm.benchmarks.hf_tuned import TUNED_CACHES
+from jaxllm.benchmarks.metrics import TokenCountError, check_output_tokens
 from jaxllm.benchmarks.provenance import source_commit
 
-BACKENDS = ("jaxllm", "hf", "jax-static")
+HF_BACKENDS = ("hf", "hf-tuned", "hf-cb")
+BACKENDS = ("jaxllm", *HF_BACKENDS, "jax-static")
+
 _HF_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                    "Qwen2ForCausalLM": "qwen2"}
 
@@ -80,11 +106,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="jax-static's static batch (default: --max-num-seqs, else 256); its "
                    "contiguous cache holds batch x (longest prompt + longest output) tokens, "
                    "so an MHA model needs a smaller batch than the engine runs")
-    h = parser.add_argument_group("hf")
+    h = parser.add_argument_group("hf, hf-tuned, hf-cb")
     h.add_argument("--hf-python", default=sys.executable,
                    help="interpreter with torch + transformers (default: this one)")
     h.add_argument("--hf-max-batch-size", type=_batch_size, default=None,
-                   help="static batch size (default: --max-num-seqs, else 256)")
+                   help="hf and hf-tuned: static batch size (default: --max-num-seqs, else "
+                   "256); hf-cb: its max_requests_per_batch (default: transformers' choice)")
+    h.add_argument("--hf-tuned-cache", choices=TUNED_CACHES, default="auto",
+                   help="hf-tuned's KV cache: static-compile (a static cache, decode compiled by "
+                   "torch.compile; auto on CUDA), static (eager), dynamic (auto elsewhere)")
     h.add_argument("--hf-devices", default=None,
                    help="comma-separated GPU ids: hf's static batches dealt round-robin to one "
                    "process per GPU, run at the same time; its time is the sum of theirs (what "
@@ -135,32 +165,24 @@ def hf_config_dict(cfg) -> dict:
     return out
 
 
-def _peak_memory() -> tuple[int | None, str]:
-    import jax
-
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "peak_bytes_in_use" in stats:
-        return int(stats["peak_bytes_in_use"]), "jax peak_bytes_in_use"
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
-
-
 def run_one(backend: str, args) -> dict:
-    """Runs one backend in this process and returns its result dict."""
-    if backend == "hf":
+    """Runs one backend in this process and returns its result dict; ``token_count_error`` is
+    set when it produced another number of output tokens than the workload asked for."""
+    if backend in HF_BACKENDS:
         from jaxllm.benchmarks.hf_backend import run_hf
 
         cfg = model_config(args)
         requests = _requests(args, cfg)
         real = args.load_format != "dummy" and args.model is not None \
             and os.path.isdir(args.model)
-        extra = run_hf(requests, hf_python=args.hf_python, model=args.model if real else None,
+        extra = run_hf(requests, variant=backend, hf_python=args.hf_python,
+                       model=args.model if real else None,
                        hf_config=None if real else hf_config_dict(cfg), dtype=args.dtype,
                        batch_size=args.hf_max_batch_size or args.max_num_seqs or 256,
+                       cb_max_requests=args.hf_max_batch_size, tuned_cache=args.hf_tuned_cache,
                        n=args.n, seed=args.seed, progress=not args.no_progress,
                        devices=[d.strip() for d in (args.hf_devices or "").split(",")
                                 if d.strip()] or None)
-        extra["generated_tokens"] = sum(r.output_len for r in requests) * args.n
-        extra["kv_waste"] = None  # the HF dynamic cache grows by concatenation
         name = args.model
     else:
         import jax
@@ -183,23 +205,27 @@ def run_one(backend: str, args) -> dict:
 
         run = run_jaxllm if backend == "jaxllm" else run_jax_static
         extra = run(model, requests, args)
-        extra["peak_memory_bytes"], extra["peak_memory_kind"] = _peak_memory()
-        if "generation_peak_bytes" in extra:  # the raw JAX peak also counts compile scratch
-            extra["jax_peak_bytes_in_use"] = extra["peak_memory_bytes"]
-            extra["peak_memory_bytes"] = extra["generation_peak_bytes"]
-            extra["peak_memory_kind"] = ("device memory held between steps + the largest "
-                                         "compiled step's temporaries")
+        stats = jax.local_devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in stats:  # JAX's own peak: compile scratch (autotuning) too
+            extra["jax_peak_bytes_in_use"] = int(stats["peak_bytes_in_use"])
+        extra["host_peak_rss_bytes"] = host_peak_rss_bytes()
         extra["device"] = jax.devices()[0].device_kind
         name = model.name
     elapsed = extra.pop("elapsed_s")
     prompt_tokens = sum(r.prompt_len for r in requests)
-    output_tokens = sum(r.output_len for r in requests) * args.n
+    requested = sum(r.output_len for r in requests) * args.n
+    output_tokens = extra.pop("generated_tokens")  # counted from what the backend returned
+    try:
+        check_output_tokens(backend, output_tokens, requested)
+        error = {}
+    except TokenCountError as e:
+        error = {"token_count_error": str(e)}
     return {"backend": backend, "model": name, "elapsed_time": elapsed,
             "num_requests": len(requests), "total_prompt_tokens": prompt_tokens,
-            "total_output_tokens": output_tokens,
+            "total_output_tokens": output_tokens, "requested_output_tokens": requested,
             "requests_per_second": len(requests) / elapsed,
             "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
-            "output_tokens_per_second": output_tokens / elapsed, **extra}
+            "output_tokens_per_second": output_tokens / elapsed, **error, **extra}
 
 
 def _requests(args, cfg) -> list[Request]:
@@ -227,14 +253,17 @@ def _child_argv(argv: list[str], backend: str, out: str) -> list[str]:
 
 def _print(result: dict) -> None:
     peak = result.get("peak_memory_bytes")
-    waste = result.get("kv_waste")
+    pct = lambda key: "n/a" if result.get(key) is None else f"{result[key]:.1%}"
     print(f"[{result['backend']}] Throughput: {result['requests_per_second']:.2f} requests/s, "
           f"{result['tokens_per_second']:.2f} total tokens/s, "
-          f"{result['output_tokens_per_second']:.2f} output tokens/s; peak memory "
+          f"{result['output_tokens_per_second']:.2f} output tokens/s "
+          f"({result['total_output_tokens']} output tokens produced); peak memory "
           f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'} "
-          f"({result.get('peak_memory_kind', '')}); KV waste "
-          f"{'n/a' if waste is None else f'{waste:.1%}'}; warm-up "
+          f"({result.get('peak_memory_kind', '')}); KV waste {pct('kv_waste')}, pool "
+          f"utilisation {pct('kv_pool_utilisation')}; warm-up "
           f"{result.get('warm_up_s') or 0:.1f} s, timed {result['elapsed_time']:.1f} s")
+    if "token_count_error" in result:
+        print(f"[{result['backend']}] ERROR: {result['token_count_error']}")
     if "step_phases_ms" in result:
         ms = result["step_phases_ms"]
         host = ms["schedule_ms"] + ms["prepare_ms"] + ms["update_ms"]
@@ -262,9 +291,14 @@ def _run_children(backends: list[str], args, tmp: str) -> dict:
             env = dict(os.environ) | ({} if device is None else {"CUDA_VISIBLE_DEVICES": device})
             cmd = [sys.executable, "-m", "jaxllm.benchmarks", "throughput",
                    *_child_argv(args.argv, b, out)]
-            subprocess.run(cmd, check=True, cwd=_repo_root(), env=env)
-            with open(out) as f:
-                done[b] = json.load(f)["results"][b]
+            rc = subprocess.run(cmd, cwd=_repo_root(), env=env).returncode
+            try:  # a wrong token count still writes its JSON (and exits non-zero)
+                with open(out) as f:
+                    done[b] = json.load(f)["results"][b]
+            except (OSError, ValueError, KeyError):
+                done[b] = None
+            if done[b] is None or (rc != 0 and "token_count_error" not in done[b]):
+                raise RuntimeError(f"backend {b} failed (exit code {rc}); its output is above")
         return done
 
     from concurrent.futures import ThreadPoolExecutor
@@ -291,18 +325,17 @@ def run(args: argparse.Namespace) -> dict:
         print("=" * 30, "side by side", "=" * 30)
     for r in results.values():
         _print(r)
-    if len(backends) > 1 and "hf" in results:
-        for b in results:
-            if b != "hf":
-                ratio = results[b]["output_tokens_per_second"] / results["hf"][
-                    "output_tokens_per_second"]
-                print(f"{b} / hf output tokens/s: {ratio:.2f}x")
+    ratios = {f"{b}/{h}": results[b]["output_tokens_per_second"]
+              / results[h]["output_tokens_per_second"]
+              for h in results if h in HF_BACKENDS for b in results if b != h}
+    for name, ratio in ratios.items():
+        print(f"{name.replace('/', ' / ')} output tokens/s: {ratio:.2f}x")
     summary = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "commit": source_commit(),
         "host": f"{platform.machine()}, {os.cpu_count()} cores",
         "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")},
-        "results": results}
+        "results": results, "ratios": ratios}
     if args.output_json:
         os.makedirs(os.path.dirname(os.path.abspath(args.output_json)), exist_ok=True)
         with open(args.output_json, "w") as f:
@@ -318,6 +351,9 @@ def run(args: argparse.Namespace) -> dict:
         plot_bars(results, "output_tokens_per_second", path,
                   f"{args.model or 'SmolLM2'}, {args.dataset_name}, {args.num_prompts} prompts")
         print(f"plot: {path}")
+    errors = [r["token_count_error"] for r in results.values() if "token_count_error" in r]
+    if errors:
+        raise TokenCountError("; ".join(errors))
     return summary
 
 

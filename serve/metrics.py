@@ -150,6 +150,9 @@ class _EngineCollector(Collector):
             ("cpu_cache_usage_perc", "Swap space usage (1 = 100%)", s.cpu_kv_usage),
             ("kv_cache_waste_perc", "Share of the KV slots in running sequences' blocks that "
                                     "hold no token (1 = 100%)", s.kv_waste),
+            ("kv_cache_pool_utilisation_perc", "KV slots in running sequences' blocks over the "
+                                               "pool's usable slots (1 = 100%)",
+             s.kv_pool_utilisation),
             ("num_free_gpu_blocks", "Allocatable KV blocks (free or evictable)",
              s.num_free_blocks),
             ("engine_healthy", "1 while the engine loop runs, 0 after a failed step",
@@ -175,6 +178,10 @@ class _EngineCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache",
              s.prefix_cache_hits),
             ("engine_steps", "Engine steps run", s.steps),
+            ("kv_slots_reserved", "KV slots in running sequences' blocks, summed over steps "
+                                  "(run-averaged waste = 1 - rate(used) / rate(reserved))",
+             s.kv_slots_reserved),
+            ("kv_slots_used", "KV slots holding a token, summed over steps", s.kv_slots_used),
             ("engine_device_seconds", "Seconds the engine waited for the device (rate() = "
                                       "device busy share)", s.device_seconds),
             ("engine_host_seconds", "Seconds the engine spent scheduling and dispatching",

@@ -13,6 +13,7 @@ import time
 import jax
 
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxllm.engine.kv_usage import engine_usage, paged_step
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.sequence import SequenceStatus
 
@@ -28,7 +29,11 @@ class EngineSnapshot:
     swapped: int = 0
     kv_usage: float = 0.0  # fraction of usable GPU blocks in use
     cpu_kv_usage: float = 0.0
+    # jaxllm.engine.kv_usage's definitions, now (this snapshot) and summed over the engine's steps
     kv_waste: float = 0.0  # of the slots in running sequences' blocks, the share with no token
+    kv_pool_utilisation: float = 0.0  # those slots over the pool's usable slots
+    kv_slots_reserved: int = 0  # since start, summed over steps
+    kv_slots_used: int = 0
     num_free_blocks: int = 0
     num_gpu_blocks: int = 0
     num_preemptions: int = 0
@@ -46,16 +51,18 @@ class EngineSnapshot:
 def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
     """Runs on the engine thread (``run_in_engine``): the engine is between steps."""
     scheduler, bm, stats = engine.scheduler, engine.block_manager, engine.stats
-    reserved = used = 0
-    for group in scheduler.running:
-        for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-            reserved += len(bm.block_table(seq.seq_id)) * bm.block_size
-            used += seq.num_computed_tokens
+    running = [seq for group in scheduler.running
+               for seq in group.seqs_with_status(SequenceStatus.RUNNING)]
+    now = paged_step([bm.num_blocks(seq.seq_id) for seq in running],
+                     [seq.num_computed_tokens for seq in running], bm.block_size,
+                     bm.num_gpu_blocks - 1)
+    total = engine_usage(stats)
     memory = _device_memory()
     return EngineSnapshot(
         time=time.monotonic(), running=len(scheduler.running), waiting=len(scheduler.waiting),
         swapped=len(scheduler.swapped), kv_usage=bm.usage, cpu_kv_usage=bm.cpu_usage,
-        kv_waste=1.0 - used / reserved if reserved else 0.0,
+        kv_waste=now.waste or 0.0, kv_pool_utilisation=now.utilisation or 0.0,
+        kv_slots_reserved=total.reserved, kv_slots_used=total.used,
         num_free_blocks=bm.num_free_blocks, num_gpu_blocks=bm.num_gpu_blocks,
         num_preemptions=scheduler.num_preemptions,
         prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,

@@ -1,5 +1,6 @@
 """Benchmark building blocks, no model: metric formulas on hand-made timelines, the arrival
-process, the workloads, the roofline and the static-batching KV waste."""
+process, the workloads, the roofline, the KV waste / pool utilisation definition
+(jaxllm.engine.kv_usage), output-token counting and the peak-memory sampler."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from jaxllm.benchmarks.datasets import (
     solve_mu,
     truncated_lognormal_mean,
 )
-from jaxllm.benchmarks.jax_backends import static_batches, static_kv_waste
+from jaxllm.benchmarks.device_memory import PeakSampler
+from jaxllm.benchmarks.hf_backend import count_generated, hf_kv_usage
+from jaxllm.benchmarks.jax_backends import produced_tokens, static_batches, static_kv_usage
 from jaxllm.benchmarks.metrics import (
     RequestTrace,
+    TokenCountError,
+    check_output_tokens,
     parse_prometheus,
     stats,
     summarize,
@@ -27,6 +32,8 @@ from jaxllm.benchmarks.metrics import (
     tpot,
 )
 from jaxllm.benchmarks.serve_client import request_intervals
+
+from jaxllm.engine.kv_usage import KVUsage, contiguous_batch, engine_usage, paged_step
 
 
 def trace(start, chunk_times, tokens=None, prompt_len=10):
@@ -137,7 +144,86 @@ def test_static_batching_kv_waste_is_counted_from_the_contiguous_layout():
     reserved = 2 * (256 + 16) * 13 + 2 * (256 + 16) * 3
     used = (sum(100 + min(s, 10) for s in range(1, 14)) + sum(28 + s for s in range(1, 14))
             + sum(130 + s for s in range(1, 4)))
-    assert static_kv_waste(batches, 2) == pytest.approx(1 - used / reserved)
+    usage = static_kv_usage(batches, 2)
+    assert (usage.reserved, usage.used, usage.steps) == (reserved, used, 16)
+    assert usage.waste == pytest.approx(1 - used / reserved) and usage.utilisation == 1.0
+
+
+def test_paged_kv_waste_is_block_tables_against_tokens():
+    # block_size 4: a 6-token sequence holding 2 blocks [t t t t][t t . .], a 3-token one holding
+    # 2 (a block allocated ahead for its next tokens), in a pool of 10 usable blocks.
+    step = paged_step([2, 2], [6, 3], block_size=4, usable_blocks=10)
+    assert (step.reserved, step.used, step.capacity) == (16, 9, 40)
+    assert step.waste == pytest.approx(7 / 16) and step.utilisation == pytest.approx(0.4)
+    # Over a run: sums of slots, so a step with more reserved weighs more (time-averaged).
+    run = step + paged_step([1], [4], block_size=4, usable_blocks=10)
+    assert run.waste == pytest.approx(1 - 13 / 20) and run.utilisation == pytest.approx(20 / 80)
+    assert run.steps == 2 and (run - step) == paged_step([1], [4], 4, 10)
+    assert KVUsage().waste is None and KVUsage().as_dict()["kv_pool_utilisation"] is None
+    with pytest.raises(ValueError, match="used"):
+        KVUsage().add(reserved=4, used=5, capacity=8)
+
+
+def test_engine_counters_read_through_the_same_definition():
+    class Stats:  # EngineStats' fields
+        kv_slots_reserved, kv_slots_used, kv_slots_capacity, num_steps = 64, 48, 640, 4
+
+    usage = engine_usage(Stats())
+    assert usage.as_dict() == {"kv_waste": 0.25, "kv_pool_utilisation": 0.1,
+                               "kv_slots_reserved": 64, "kv_slots_used": 48,
+                               "kv_slots_capacity": 640, "kv_steps": 4}
+
+
+def test_contiguous_kv_waste_static_and_dynamic_caches():
+    # Two real rows (prompts 3 and 1, outputs 2 and 4) in a 3-row batch padded to width 3, run
+    # 4 decode steps. After step s a row holds prompt + min(s, output) real tokens.
+    used = sum(3 + min(s, 2) + 1 + min(s, 4) for s in range(1, 5))
+    static = contiguous_batch([3, 1], [2, 4], 4, rows=3, width=3, cache_len=8)
+    assert (static.reserved, static.used, static.capacity) == (3 * 8 * 4, used, 3 * 8 * 4)
+    # HF's dynamic cache holds width + s slots a row after step s.
+    dynamic = contiguous_batch([3, 1], [2, 4], 4, rows=3, width=3, cache_len=None)
+    assert dynamic.reserved == 3 * sum(3 + s for s in range(1, 5)) and dynamic.used == used
+    assert static.utilisation == dynamic.utilisation == 1.0  # everything allocated is reserved
+    assert dynamic.waste == pytest.approx(1 - used / dynamic.reserved)
+    for steps in range(1, 9):  # the closed form of sum(min(s, o)) against the loop
+        for out in range(0, 10):
+            assert contiguous_batch([0], [out], steps, rows=1, width=0, cache_len=99).used \
+                == sum(min(s, out) for s in range(1, steps + 1))
+    # The hf child's layout goes through the same function.
+    assert hf_kv_usage([[3, 3, 4, 8, [3, 1], [2, 4]], [3, 3, 4, None, [3, 1], [2, 4]]]) \
+        == (static + dynamic).as_dict()
+    assert hf_kv_usage(None)["kv_waste"] is None and "kv_note" in hf_kv_usage(None)
+
+
+def test_output_tokens_are_counted_from_what_came_back():
+    # hf: up to and including the first EOS (2), then padding; capped at the requested length.
+    ids = [[5, 6, 7, 8], [5, 2, 0, 0], [2, 9, 9, 9], [5, 6, 7, 8]]
+    assert count_generated(ids, [4, 4, 4, 2], eos_ids={2}) == [4, 2, 1, 2]
+    assert count_generated(ids, [4, 4, 4, 4], eos_ids=set()) == [4, 4, 4, 4]
+    # jax-static: generate()'s num_tokens per row, each real row up to its own length; the
+    # padding rows past the chunk produce nothing useful.
+    from jaxllm.benchmarks.datasets import Request
+
+    chunk = [Request((1,), 3), Request((1,), 5)]
+    assert produced_tokens(np.array([5, 4, 5, 5]), chunk) == 3 + 4
+    assert check_output_tokens("x", 7, 7) == 7
+    with pytest.raises(TokenCountError, match="x produced 7 output tokens but the workload "
+                                              "asked for 8"):
+        check_output_tokens("x", 7, 8)
+
+
+def test_peak_memory_is_the_largest_sample_and_n_a_without_statistics():
+    values = iter([10, 30, 20] + [5] * 10_000)
+    with PeakSampler(lambda: next(values), interval_s=0.001) as s:
+        import time
+
+        time.sleep(0.05)
+    assert s.peak == 30 and s.samples >= 3
+    assert "largest of" in s.result("x")["peak_memory_kind"]
+    with PeakSampler(lambda: None) as none:
+        pass
+    r = none.result("jax memory_stats bytes_in_use")
+    assert r["peak_memory_bytes"] is None and r["peak_memory_kind"].startswith("n/a")
 
 
 def test_roofline_reproduces_the_reference_llama3_8b_table():
