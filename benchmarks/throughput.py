@@ -258,8 +258,8 @@ def _print(result: dict) -> None:
           f"{result['tokens_per_second']:.2f} total tokens/s, "
           f"{result['output_tokens_per_second']:.2f} output tokens/s "
           f"({result['total_output_tokens']} output tokens produced); peak memory "
-          f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'} "
-          f"({result.get('peak_memory_kind', '')}); KV waste {pct('kv_waste')}, pool "
+          f"{'' if peak is None else f'{peak / 2**30:.2f} GiB '}"
+          f"({result.get('peak_memory_kind', 'n/a')}); KV waste {pct('kv_waste')}, pool "
           f"utilisation {pct('kv_pool_utilisation')}; warm-up "
           f"{result.get('warm_up_s') or 0:.1f} s, timed {result['elapsed_time']:.1f} s")
     if "token_count_error" in result:
