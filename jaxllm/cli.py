@@ -23,22 +23,41 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed (the engine's SamplingParams.seed: the same tokens as "
+                             "LLM and the server draw with it); also seeds dummy weights")
+
+
+def _check_sampling_args(args: argparse.Namespace) -> None:
+    """vLLM's ranges (SamplingParams'), named by their flags."""
+    checks = [
+        (args.max_tokens >= 1, f"--max-tokens={args.max_tokens} must be >= 1"),
+        (args.temperature >= 0, f"--temperature={args.temperature} must be >= 0"),
+        (args.top_k >= -1, f"--top-k={args.top_k} must be >= 1, or 0 or -1 (off)"),
+        (0 < args.top_p <= 1, f"--top-p={args.top_p} must be in (0, 1]"),
+        (0 <= args.min_p <= 1, f"--min-p={args.min_p} must be in [0, 1]"),
+        (0 < args.repetition_penalty <= 2,
+         f"--repetition-penalty={args.repetition_penalty} must be in (0, 2]"),
+        (-2 <= args.presence_penalty <= 2,
+         f"--presence-penalty={args.presence_penalty} must be in [-2, 2]"),
+        (-2 <= args.frequency_penalty <= 2,
+         f"--frequency-penalty={args.frequency_penalty} must be in [-2, 2]"),
+    ]
+    for ok, message in checks:
+        if not ok:  # NaN fails every comparison, so it lands here too
+            raise JaxLLMError(message)
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import functools
+
     import jax
     import jax.numpy as jnp
 
     from jaxllm.generate import generate
     from jaxllm.loading import load_model
 
-    if args.max_tokens < 1:
-        raise JaxLLMError(f"--max-tokens={args.max_tokens} must be >= 1")
-    if args.temperature < 0:
-        raise JaxLLMError(f"--temperature={args.temperature} must be >= 0")
-    if not 0 < args.top_p <= 1:
-        raise JaxLLMError(f"--top-p={args.top_p} must be in (0, 1]")
+    _check_sampling_args(args)
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                        seed=args.seed)
@@ -61,14 +80,18 @@ def _generate(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
     call_args = (model.params, jnp.asarray([ids], jnp.int32), jnp.asarray([len(ids)], jnp.int32),
                  jax.random.key(args.seed))
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    call_kwargs = dict(config=model.config, max_new_tokens=args.max_tokens, **sampling,
-                       eos_token_ids=() if args.ignore_eos else model.config.eos_token_ids,
-                       block_size=args.block_size,
-                       pad_token_id=tokenizer.pad_token_id or 0)
-    compiled = generate.lower(*call_args, **call_kwargs).compile()
+    # The settings are Python numbers in the closure: generate() compiles the cheapest sampler
+    # variant for them (no vocabulary sort without top-k/top-p, no counts without penalties).
+    call = functools.partial(
+        generate, config=model.config, max_new_tokens=args.max_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed,
+        eos_token_ids=() if args.ignore_eos else model.config.eos_token_ids,
+        block_size=args.block_size, pad_token_id=tokenizer.pad_token_id or 0)
+    compiled = jax.jit(call).lower(*call_args).compile()
     compiled_at = time.perf_counter()
-    out = compiled(*call_args, **sampling)
+    out = compiled(*call_args)
     n = int(out.num_tokens[0])
     tokens = jax.device_get(out.tokens[0, :n]).tolist()
     done = time.perf_counter()
@@ -88,8 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0,
+                     help="drop tokens below min_p x the most likely one's probability")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages tokens of the prompt and the output; 1 = off")
+    gen.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted once from each token already in the output")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted per occurrence of a token in the output")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed the prompt as raw text instead of a chat message")

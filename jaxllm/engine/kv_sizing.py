@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
-from jaxllm.engine.sampler import build_sampling_metadata, sample
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
+from jaxllm.sampling import build_sampling_metadata, sample
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30

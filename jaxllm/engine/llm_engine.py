@@ -24,11 +24,11 @@ from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_u
 from jaxllm.engine.kv_sizing import plan_kv_blocks
 from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.engine.sampler import SamplerInput, needs_penalties
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import unstack_layer_params
+from jaxllm.sampling import SamplerInput, needs_penalties
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

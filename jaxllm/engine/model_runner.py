@@ -21,7 +21,10 @@ import numpy as np
 
 from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, copy_blocks
 from jaxllm.engine.buckets import BucketSpec, StepShape
-from jaxllm.engine.sampler import (
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.loading import LoadedModel
+from jaxllm.models.llama import make_forward
+from jaxllm.sampling import (
     SamplerInput,
     SamplerOutput,
     SampleVariant,
@@ -30,9 +33,6 @@ from jaxllm.engine.sampler import (
     sample,
     sample_variant,
 )
-from jaxllm.engine.scheduler import SchedulerOutput
-from jaxllm.loading import LoadedModel
-from jaxllm.models.llama import make_forward
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""The engine sampler: exact penalties, banned ids, filters' kept sets, seeded draws, logprobs."""
+"""The one sampler (``jaxllm.sampling``): exact penalties, banned ids, filters' kept sets, seeded
+draws, logprobs, and the static variants of the host and of ``generate()``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.engine.sampler import (
+from jaxllm.sampling import (
     SamplerInput,
     SampleVariant,
     apply_penalties,
@@ -16,6 +17,7 @@ from jaxllm.engine.sampler import (
     penalty_width,
     sample,
     sample_variant,
+    scalar_variant,
 )
 from jaxllm.sampling_params import SamplingParams
 
@@ -148,6 +150,11 @@ def test_temperature_flattens_the_distribution():
     np.testing.assert_allclose(freq, expected, atol=0.03)
 
 
+def test_low_temperature_concentrates_on_the_most_likely():
+    _, freq = kept_set(SamplingParams(temperature=0.05))
+    assert freq[0] > 0.99
+
+
 @pytest.mark.parametrize("params, expected", [
     (SamplingParams(top_k=1), {0}),
     (SamplingParams(top_k=2), {0, 1}),
@@ -177,6 +184,22 @@ def test_top_k_draws_follow_the_renormalised_distribution():
 
 
 # ----------------------------------------------------------------------------- seeded draws
+
+
+@pytest.mark.parametrize("use_top_k_top_p", [False, True])
+def test_without_filters_the_draw_is_the_rows_plain_categorical(use_top_k_top_p):
+    # Filters off: the sort-free variant, and the sorting one (kept for another row), must
+    # draw exactly what a categorical with the row's key draws, tail tokens included.
+    logits = jnp.log(jnp.array([[0.6, 0.4 - 1e-9, 1e-9], [0.2, 0.3, 0.5]]))  # [R, V]
+    temperature = np.array([1.0, 0.7], np.float32)
+    for seed in range(20):
+        rows = [SamplerInput(SamplingParams(temperature=float(t)), seed=seed + 100 * r, step=r)
+                for r, t in enumerate(temperature)]
+        got = run(logits, rows, metadata(rows, width=0), use_top_k_top_p=use_top_k_top_p)
+        keys = [jax.random.fold_in(jax.random.key(row.seed), row.step) for row in rows]
+        expected = [jax.random.categorical(k, logits[r] / temperature[r])
+                    for r, k in enumerate(keys)]
+        np.testing.assert_array_equal(np.asarray(got.sampled), expected)
 
 
 def test_a_seed_and_step_draw_the_same_token_in_any_batch_row_or_bucket():
@@ -297,6 +320,22 @@ def test_sample_variant_is_the_cheapest_right_one():
         num_logprobs=5)
     assert variant(SamplingParams(top_k=3, repetition_penalty=1.2)) == SampleVariant(
         use_penalties=True)
+
+
+def test_scalar_variant_is_the_cheapest_right_one_for_generate_arguments():
+    per_row = jnp.array([0.0, 1.0])  # could hold anything: the general flag
+    assert scalar_variant(temperature=0.0) == SampleVariant(all_greedy=True,
+                                                            use_top_k_top_p=False)
+    assert scalar_variant(temperature=0.0, top_k=5) == SampleVariant(
+        all_greedy=True, use_top_k_top_p=False)  # greedy ignores top-k
+    assert scalar_variant(temperature=0.7) == SampleVariant(use_top_k_top_p=False)
+    assert scalar_variant(temperature=0.7, top_p=0.9) == SampleVariant()
+    assert scalar_variant(temperature=0.7, top_k=-1) == SampleVariant(use_top_k_top_p=False)
+    assert scalar_variant(temperature=per_row) == SampleVariant(use_top_k_top_p=False)
+    assert scalar_variant(temperature=0.7, top_k=jnp.array([0, 3])) == SampleVariant()
+    assert scalar_variant(temperature=0.0, presence_penalty=0.5) == SampleVariant(
+        use_penalties=True, all_greedy=True, use_top_k_top_p=False)
+    assert scalar_variant(temperature=0.0, repetition_penalty=per_row).use_penalties
 
 
 def test_penalty_width_counts_only_rows_that_need_penalties():
