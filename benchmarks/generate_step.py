@@ -20,7 +20,6 @@ temporary the size of the cache, or a step growing with C, means the cache is co
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -31,8 +30,7 @@ from jaxllm.benchmarks.provenance import source_commit
 
 import jaxllm
 from jaxllm.engine.engine_config import resolve_unroll_layers
-from jaxllm.engine.kv_sizing import kv_block_bytes
-from jaxllm.models.llama import unstack_layer_params
+from jaxllm.kv_pool import kv_block_bytes
 
 
 def time_program(call, *args) -> float:
@@ -65,7 +63,8 @@ def measure(model, batch_size: int, prompt_len: int, capacity: int, short: int, 
     return {"capacity": capacity, "decode_ms": decode_ms,
             "prefill_ms": 1e3 * t_short - decode_ms * (short - 1),
             "temp_bytes": temp,
-            "contiguous_cache_bytes": blocks * kv_block_bytes(model, block_size)}
+            "contiguous_cache_bytes":
+                blocks * kv_block_bytes(model.config, block_size, model.dtype)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,10 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(capacities) < args.short + args.decode_steps:
         p.error(f"every capacity must hold --short + --decode-steps = "
                 f"{args.short + args.decode_steps} tokens")
-    model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format)
     unrolled = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
-    if unrolled:
-        model = dataclasses.replace(model, params=unstack_layer_params(model.params, donate=True))
+    model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
+                              unroll_layers=unrolled)
     rows = []
     print(f"{model.name}, batch {args.batch_size}, prompt {args.prompt_len}, "
           f"{'unrolled' if unrolled else 'scanned'} layers, top_p {args.top_p}")

@@ -26,7 +26,6 @@ and the roofline is the larger of the two.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -98,7 +97,6 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
-                     unroll_layers: bool = False,
                      pool_blocks: int | None = None) -> tuple[float, float, int]:
     """Median seconds of one decode step, and of its launch alone (the call returning before
     the result is ready: a launch as long as the step means the host is blocked), and the
@@ -106,14 +104,13 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     import jax
     import jax.numpy as jnp
 
-    from jaxllm import KVPool, LayeredKVPool, SeqChunk, make_forward, pack_batch
+    from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
-    pool_type = LayeredKVPool if unroll_layers else KVPool
-    pool = pool_type.zeros(cfg.num_hidden_layers, num_blocks, block_size,
-                        cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+    pool = new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+                       unroll_layers=model.unroll_layers)
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
@@ -167,18 +164,14 @@ def run(args: argparse.Namespace) -> dict:
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
     unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
-    if unroll:  # as the engine runs it: one param tree per layer
-        from jaxllm.models.llama import unstack_layer_params
-
-        model = dataclasses.replace(
-            model, params=unstack_layer_params(model.params, donate=True))
+    model = model.with_layer_layout(unroll, donate=True)  # as the engine would run it
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):
         measured, launch, temp_bytes = time_decode_step(
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
-            unroll_layers=unroll, pool_blocks=args.pool_blocks)
+            pool_blocks=args.pool_blocks)
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
                            matmul_params, args.peak_tflops)
         rows.append({"batch_size": b, "context_len": args.context_len,

@@ -49,7 +49,6 @@ JSON), and writes one JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -190,16 +189,11 @@ def run_one(backend: str, args) -> dict:
         import jaxllm
         from jaxllm.engine.engine_config import resolve_unroll_layers
 
-        model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                                  seed=args.seed)
-        if resolve_unroll_layers(args.unroll_layers, jax.default_backend()):
-            # jaxllm's engine and jax-static's generate() both unroll the layers over a
-            # per-layer pool for per-layer params. Unstacked here, so that the stacked copy is
-            # freed (this function would hold it, and peak memory would count both).
-            from jaxllm.models.llama import unstack_layer_params
-
-            model = dataclasses.replace(
-                model, params=unstack_layer_params(model.params, donate=True))
+        # jaxllm's engine and jax-static's generate() both run the layer layout loaded here
+        # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
+        model = jaxllm.load_model(
+            args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+            unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
         requests = _requests(args, model.config)
         from jaxllm.benchmarks.jax_backends import run_jax_static, run_jaxllm
 

@@ -20,7 +20,7 @@ if _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isdir(
         _os.path.join(_ROOT, "serve")):
     __path__.append(_ROOT)
 
-from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
+from jaxllm.batch import BatchMetadata, SeqChunk, SeqChunks, pack_batch
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
@@ -28,11 +28,11 @@ from jaxllm.engine.outputs import CompletionOutput, RequestOutput
 from jaxllm.engine.sequence import SequenceStatus
 from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
 from jaxllm.generate import GenerateOutput, generate
+from jaxllm.kv_pool import KVPool, LayeredKVPool, new_kv_pool
 from jaxllm.llm import LLM
 from jaxllm.loading import LoadedModel, default_model_path, load_model
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models import make_forward
-from jaxllm.packing import SeqChunk, pack_batch
 from jaxllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -41,6 +41,7 @@ __all__ = [
     "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine",
     "RequestOutput", "SamplingParams", "SequenceStatus",
     "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LayeredKVPool", "LoadedModel",
-    "ModelConfig", "ModelLoadError", "RopeScaling", "SeqChunk", "UnsupportedModelError",
-    "__version__", "default_model_path", "generate", "load_model", "make_forward", "pack_batch",
+    "ModelConfig", "ModelLoadError", "RopeScaling", "SeqChunk", "SeqChunks",
+    "UnsupportedModelError", "__version__", "default_model_path", "generate", "load_model",
+    "make_forward", "new_kv_pool", "pack_batch",
 ]

@@ -14,9 +14,9 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import BatchMetadata
+from jaxllm.kv_pool import KVPool
 from jaxllm.pallas_kernels.paged_attention import (
     kernels_support,
     paged_attention_decode,
@@ -50,21 +50,6 @@ def is_decode_batch(q: jax.Array, batch: BatchMetadata) -> bool:
     return q.shape[0] == batch.block_tables.shape[0]
 
 
-def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.Array,
-             v: jax.Array) -> KVPool:
-    """Scatters this step's keys/values ([T, Hkv, D]) into the pool at ``slot_mapping`` (i32[T])."""
-    block_size, num_blocks = kv_pool.block_size, kv_pool.num_blocks
-    # Padded tokens (PAD_SLOT < 0) aim past the pool and are dropped, rather than all writing
-    # one null-block slot: on the H200, generate()'s padded prompts (most of a 64 x 1024 static
-    # batch) cost ~24 s a batch more than unpadded ones, which points at those colliding writes.
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
-    offsets = slot_mapping % block_size
-    return KVPool(
-        k=kv_pool.k.at[layer, blocks, offsets].set(k.astype(kv_pool.k.dtype), mode="drop"),
-        v=kv_pool.v.at[layer, blocks, offsets].set(v.astype(kv_pool.v.dtype), mode="drop"),
-    )
-
-
 def paged_attention(
     q: jax.Array,  # [T, Hq, D]
     kv_pool: KVPool,  # this step's K/V already written
@@ -85,5 +70,4 @@ def paged_attention(
                   interpret=backend == "pallas_interpret")
 
 
-__all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend",
-           "write_kv"]
+__all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend"]

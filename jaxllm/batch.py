@@ -1,8 +1,8 @@
-"""The paged KV pool and the per-step batch metadata the model forward reads.
+"""The per-step batch metadata the model forward reads, and the one function that builds it.
 
 Tokens of all sequences in a step are flattened into one ragged axis ``T`` (padded to a
 bucket). Sequence ``s`` owns the query tokens ``query_start_loc[s]:query_start_loc[s+1]``
-and, in the pool, the blocks listed in ``block_tables[s]``::
+and, in the KV pool (:mod:`jaxllm.kv_pool`), the blocks listed in ``block_tables[s]``::
 
     block_tables[s] = [7, 2, 9, 0, 0]        (0 = the reserved null block, used as padding)
     pool block 7: positions  0..15 of s
@@ -12,123 +12,24 @@ and, in the pool, the blocks listed in ``block_tables[s]``::
 A token at position p lives in slot ``block_tables[s][p // B] * B + p % B``; the slot mapping
 tells the forward where to write each new token's K/V. Padded tokens have slot
 ``PAD_SLOT`` (-1): their writes are dropped, so block 0 stays zeros.
+
+:func:`pack_batch` is the only builder of :class:`BatchMetadata`: the engine (numpy, on the
+host, once per step), ``generate()`` (jax, inside its jit), the memory planner and the tests
+all call it. It is written in array operations that numpy and jax.numpy share.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-NULL_BLOCK = 0
-PAD_SLOT = -1  # slot_mapping of a padded token: nothing is written
-
-
-@flax.struct.dataclass
-class KVPool:
-    """Per-layer K and V pools, stacked on the layer axis."""
-
-    k: jax.Array  # [L, num_blocks, block_size, Hkv, D]
-    v: jax.Array  # [L, num_blocks, block_size, Hkv, D]
-
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """One block of one layer: (block_size, Hkv, D)."""
-        return tuple(self.k.shape[2:])
-
-    @property
-    def dtype(self):
-        return self.k.dtype
-
-    @classmethod
-    def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: jnp.dtype) -> KVPool:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-
-    def read_blocks(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """K and V of blocks ``ids`` (i32[n]) in every layer: [L, n, block_size, Hkv, D] each."""
-        return self.k[:, ids], self.v[:, ids]
-
-    def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> KVPool:
-        return KVPool(k=self.k.at[:, ids].set(k), v=self.v.at[:, ids].set(v))
-
-
-
-@flax.struct.dataclass
-class LayeredKVPool:
-    """The same pool as :class:`KVPool`, one array pair per layer. An unrolled layer stack
-    updates each layer's arrays once and reads them once, so XLA can keep every update in place
-    (a stacked pool is written, read, then written again by the next layer)."""
-
-    k: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
-    v: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.k)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k[0].shape[1]
-
-    @property
-    def block_size(self) -> int:
-        return self.k[0].shape[2]
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return tuple(self.k[0].shape[2:])
-
-    @property
-    def dtype(self):
-        return self.k[0].dtype
-
-    @classmethod
-    def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: jnp.dtype) -> LayeredKVPool:
-        shape = (1, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
-
-    def layer(self, index: int) -> KVPool:
-        """Layer ``index`` as a one-layer :class:`KVPool` (address it as layer 0)."""
-        return KVPool(k=self.k[index], v=self.v[index])
-
-    def replace_layer(self, index: int, pool: KVPool) -> LayeredKVPool:
-        k, v = list(self.k), list(self.v)
-        k[index], v[index] = pool.k, pool.v
-        return LayeredKVPool(k=tuple(k), v=tuple(v))
-
-    def read_blocks(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return (jnp.concatenate([x[:, ids] for x in self.k]),
-                jnp.concatenate([x[:, ids] for x in self.v]))
-
-    def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> LayeredKVPool:
-        return LayeredKVPool(k=tuple(x.at[:, ids].set(k[i:i + 1]) for i, x in enumerate(self.k)),
-                             v=tuple(x.at[:, ids].set(v[i:i + 1]) for i, x in enumerate(self.v)))
-
-
-
-AnyKVPool = KVPool | LayeredKVPool
-
-
-def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
-    """Blocks ``src`` (i32[n]) copied onto ``dst`` in every layer, for either pool layout (block
-    is axis 1 of every array). Padding pairs are (0, 0): the null block copied onto itself."""
-    return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pool)
+from jaxllm.kv_pool import NULL_BLOCK, PAD_SLOT
 
 
 @flax.struct.dataclass
@@ -151,6 +52,123 @@ class BatchMetadata:
     decode_only: bool | None = flax.struct.field(pytree_node=False, default=None)
 
 
+@dataclasses.dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence this step, continuing after ``num_computed`` cached tokens."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SeqChunks:
+    """C sequences' chunks as arrays (numpy on the host, jax inside a jit)."""
+
+    token_ids: Any  # i32[sum n] the chunks' tokens back to back, or i32[C, P] one row each
+    num_new_tokens: Any  # i32[C]  n: tokens of each chunk
+    num_computed: Any  # i32[C]  tokens of each sequence already in the pool
+    block_tables: Any  # i32[C, W'] each sequence's blocks (NULL_BLOCK padded)
+
+    @classmethod
+    def from_list(cls, chunks: Sequence[SeqChunk]) -> SeqChunks:
+        width = max((len(c.block_table) for c in chunks), default=1)
+        tables = np.full((len(chunks), width), NULL_BLOCK, np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        tokens = [t for c in chunks for t in c.token_ids]
+        return cls(np.asarray(tokens, np.int32),
+                   np.asarray([len(c.token_ids) for c in chunks], np.int32),
+                   np.asarray([c.num_computed for c in chunks], np.int32), tables)
+
+
+def pack_batch(chunks: SeqChunks | Sequence[SeqChunk], block_size: int, *,
+               num_tokens: int | None = None, num_seqs: int | None = None,
+               table_width: int | None = None, logits_rows: Any = None,
+               num_logits: int | None = None, all_logits: bool = False,
+               decode_only: bool | None = None) -> BatchMetadata:
+    """Flattens per-sequence chunks into one padded :class:`BatchMetadata`.
+
+    Sizes (T = ``num_tokens``, S = ``num_seqs``, W = ``table_width``, N = ``num_logits``) are
+    the bucket; each defaults to the exact size, larger values pad (padded tokens write
+    nothing, padded sequences have no tokens). Logits: by default each chunk's last token;
+    ``logits_rows`` (i32[R]) lists, per logits row, the chunk whose last token it reads (a
+    chunk may be read by several rows: n > 1 samples of one prompt); ``all_logits``: every
+    real token (host only). Arrays come back as numpy when ``chunks`` holds numpy arrays and
+    as jax arrays otherwise; sizes must then be static.
+    """
+    if not isinstance(chunks, SeqChunks):
+        chunks = SeqChunks.from_list(chunks)
+    xp = np if isinstance(chunks.num_new_tokens, np.ndarray) else jnp
+    i32 = lambda x: xp.asarray(x, xp.int32)
+    num_new, num_computed = i32(chunks.num_new_tokens), i32(chunks.num_computed)
+    given_tables = i32(chunks.block_tables)
+    count = num_new.shape[0]  # C
+    ends = xp.cumsum(num_new).astype(xp.int32)  # [C]
+    starts = ends - num_new  # [C]
+    total = ends[-1] if count else 0
+    num_tokens = num_tokens or int(total)  # a static T is given inside a jit
+    num_seqs = num_seqs or count
+    width = table_width or given_tables.shape[1]
+    if xp is np and (total > num_tokens or count > num_seqs or given_tables.shape[1] > width):
+        raise ValueError(f"{total} tokens / {count} seqs / {given_tables.shape[1]} blocks "
+                         f"exceed the bucket ({num_tokens} / {num_seqs} / {width})")
+
+    tables = xp.full((num_seqs, width), NULL_BLOCK, xp.int32)  # [S, W]
+    seq_lens = xp.zeros(num_seqs, xp.int32)  # [S]
+    starts_padded = xp.full(num_seqs + 1, total, xp.int32)  # [S + 1]
+    flat = xp.arange(num_tokens, dtype=xp.int32)  # [T]
+    real = flat < total  # [T]
+    if count:
+        tables = _set(xp, tables, (slice(0, count), slice(0, given_tables.shape[1])),
+                      given_tables)
+        seq_lens = _set(xp, seq_lens, slice(0, count), num_computed + num_new)
+        starts_padded = _set(xp, starts_padded, slice(0, count), starts)
+        seq = xp.minimum(xp.searchsorted(ends, flat, side="right"), count - 1)  # [T]
+        offset = flat - starts[seq]  # [T]  index of the token within its chunk
+        pos = num_computed[seq] + offset  # [T]
+        block_index = xp.clip(pos // block_size, 0, width - 1)
+        slots = xp.where(real, tables[seq, block_index] * block_size + pos % block_size,
+                         PAD_SLOT)
+        if xp is np and real.any() and (pos[real] // block_size >= given_tables.shape[1]).any():
+            s = int(seq[real][(pos[real] // block_size >= given_tables.shape[1])][0])
+            raise ValueError(f"sequence {s}: {int(seq_lens[s])} tokens need more than "
+                             f"{given_tables.shape[1]} blocks of {block_size}")
+        tokens = i32(chunks.token_ids)
+        if tokens.ndim == 2:  # one row per chunk
+            ids = tokens[seq, xp.clip(offset, 0, tokens.shape[1] - 1)]
+        else:
+            ids = _set(xp, xp.zeros(num_tokens, xp.int32), slice(0, tokens.shape[0]),
+                       tokens[:num_tokens])
+        input_ids = xp.where(real, ids, 0)
+        positions = xp.where(real, pos, 0)
+    else:
+        input_ids = positions = xp.zeros(num_tokens, xp.int32)
+        slots = xp.full(num_tokens, PAD_SLOT, xp.int32)
+
+    if all_logits:
+        logits_at = np.arange(int(total), dtype=np.int32)
+    elif logits_rows is None:
+        logits_at = ends - 1 if count else xp.zeros(0, xp.int32)
+    else:
+        logits_at = (ends - 1)[i32(logits_rows)] if count else i32(logits_rows)
+    num_logits = num_logits or logits_at.shape[0]
+    logits_indices = _set(xp, xp.zeros(num_logits, xp.int32), slice(0, logits_at.shape[0]),
+                          logits_at)
+    return BatchMetadata(
+        input_ids=input_ids, positions=positions, slot_mapping=slots, block_tables=tables,
+        seq_lens=seq_lens, query_start_loc=starts_padded, logits_indices=logits_indices,
+        decode_only=decode_only)
+
+
+def _set(xp, array, index, values):
+    """``array[index] = values`` for numpy (in place) or jax (a new array)."""
+    if xp is np:
+        array[index] = values
+        return array
+    return array.at[index].set(values)
+
+
 def token_seq_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
     """Sequence index of every flat token: i32[T]. Tokens past the last sequence map to S-1."""
     num_seqs = query_start_loc.shape[0] - 1
@@ -158,10 +176,10 @@ def token_seq_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
     return jnp.minimum(ids, num_seqs - 1).astype(jnp.int32)
 
 
-def slots_for_positions(block_tables: jax.Array, positions: jax.Array,
-                        block_size: int) -> jax.Array:
-    """Pool slot of each (sequence row, position): block_tables [S, W], positions [S, ...]."""
-    block_idx = positions // block_size
-    blocks = jnp.take_along_axis(block_tables, block_idx.reshape(block_tables.shape[0], -1),
-                                 axis=1).reshape(positions.shape)
-    return blocks * block_size + positions % block_size
+def batch_spec(batch: BatchMetadata) -> BatchMetadata:
+    """The same batch as ``jax.ShapeDtypeStruct`` leaves (for lowering without data)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+
+
+__all__ = ["BatchMetadata", "SeqChunk", "SeqChunks", "batch_spec", "pack_batch",
+           "token_seq_ids"]

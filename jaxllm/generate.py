@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, slots_for_positions
+from jaxllm.batch import SeqChunks, pack_batch
+from jaxllm.kv_pool import new_kv_pool
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
 from jaxllm.sampling import SampleVariant, SamplingMetadata, sample, scalar_variant
@@ -104,11 +105,10 @@ def generate(
     forward = make_forward(config, dtype, attention_backend)
     width = -(-(prompt_width + max_new_tokens) // block_size)
     tables = 1 + jnp.arange(batch_size * width, dtype=jnp.int32).reshape(batch_size, width)
-    # Params unstacked per layer (unstack_layer_params) run the unrolled stack over a
+    # Params laid out per layer (LoadedModel.with_layer_layout) run the unrolled stack over a
     # per-layer pool, as the engine does with unroll_layers; stacked params run the scan.
-    pool_type = LayeredKVPool if has_per_layer_params(params) else KVPool
-    kv_pool = pool_type.zeros(config.num_hidden_layers, 1 + batch_size * width, block_size,
-                              config.num_key_value_heads, config.head_dim, dtype)
+    kv_pool = new_kv_pool(config, 1 + batch_size * width, block_size, dtype,
+                          unroll_layers=has_per_layer_params(params))
     lens = prompt_lens.astype(jnp.int32)
     as_rows = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (batch_size,))
     variant = variant or SampleVariant()
@@ -132,20 +132,12 @@ def generate(
     limit = (jnp.full((batch_size,), max_new_tokens, jnp.int32) if row_max_new_tokens is None
              else jnp.clip(row_max_new_tokens.astype(jnp.int32), 1, max_new_tokens))
 
-    # Prefill: every row's padded prompt in one flat batch; padding writes nothing.
-    pos = jnp.broadcast_to(jnp.arange(prompt_width, dtype=jnp.int32), (batch_size, prompt_width))
-    real = pos < lens[:, None]
-    prefill = BatchMetadata(
-        input_ids=jnp.where(real, prompt_ids, 0).reshape(-1),
-        positions=pos.reshape(-1),
-        slot_mapping=jnp.where(real, slots_for_positions(tables, pos, block_size),
-                               PAD_SLOT).reshape(-1),
-        block_tables=tables,
-        seq_lens=lens,
-        query_start_loc=jnp.arange(batch_size + 1, dtype=jnp.int32) * prompt_width,
-        logits_indices=jnp.arange(batch_size, dtype=jnp.int32) * prompt_width
-        + jnp.maximum(lens - 1, 0),
-        decode_only=False)
+    rows = jnp.arange(batch_size, dtype=jnp.int32)
+    # Prefill: every row's prompt, back to back in one flat batch of B x P tokens (the rest is
+    # padding, which writes nothing).
+    prefill = pack_batch(SeqChunks(prompt_ids, lens, jnp.zeros_like(lens), tables), block_size,
+                         num_tokens=batch_size * prompt_width, num_seqs=batch_size,
+                         table_width=width, logits_rows=rows, decode_only=False)
     logits, kv_pool = forward(params, kv_pool, prefill)
 
     def pick(logits, step, state):  # step: tokens each row generated so far
@@ -169,15 +161,10 @@ def generate(
     def decode_step(carry):
         step, kv_pool, state = carry
         position = lens + step - 1  # where the previous token goes
-        decode = BatchMetadata(
-            input_ids=state[0][:, step - 1],
-            positions=position,
-            slot_mapping=slots_for_positions(tables, position[:, None], block_size)[:, 0],
-            block_tables=tables,
-            seq_lens=position + 1,
-            query_start_loc=jnp.arange(batch_size + 1, dtype=jnp.int32),
-            logits_indices=jnp.arange(batch_size, dtype=jnp.int32),
-            decode_only=True)
+        decode = pack_batch(SeqChunks(state[0][:, step - 1], jnp.ones_like(lens), position,
+                                      tables), block_size, num_tokens=batch_size,
+                            num_seqs=batch_size, table_width=width, logits_rows=rows,
+                            decode_only=True)
         logits, kv_pool = forward(params, kv_pool, decode)
         return step + 1, kv_pool, pick(logits, step, state)
 

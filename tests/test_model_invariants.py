@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from tiny_models import TINY_CONFIGS, PagedRunner, random_params
 
-from jaxllm import LayeredKVPool, SeqChunk, pack_batch
-from jaxllm.models.llama import unstack_layer_params
+from jaxllm import KVPool, LayeredKVPool, SeqChunk, load_model, pack_batch
+from jaxllm.models.llama import make_forward, unstack_layer_params
 
 SEQ_LEN = 23
 ATOL = 2e-5
@@ -99,13 +99,16 @@ def test_sliding_window_limits_attention():
     assert np.abs(windowed[window:] - unwindowed[window:]).max() > 1e-3
 
 
-def test_layered_pool_unrolls_the_layers_with_the_same_logits_and_cache():
+def test_unrolled_layout_gives_the_same_logits_and_cache_as_the_scanned_one():
     cfg = TINY_CONFIGS["llama3_rope_scaling"]
     params = random_params(cfg, seed=3)
     ids = tokens(cfg)
     chunks = [5, 1, SEQ_LEN - 6]  # later chunks read what earlier ones cached
+    per_layer = unstack_layer_params(params)  # one param tree per layer: the unrolled stack
+    assert len(per_layer["layers"]) == cfg.num_hidden_layers
     looped = PagedRunner(cfg, params)
-    unrolled = PagedRunner(cfg, params, pool_type=LayeredKVPool)
+    unrolled = PagedRunner(cfg, per_layer)
+    assert isinstance(looped.pool, KVPool) and isinstance(unrolled.pool, LayeredKVPool)
     np.testing.assert_allclose(unrolled.run(ids, chunks, table(6)),
                                looped.run(ids, chunks, table(6)), atol=1e-5)
     blocks = jnp.arange(looped.pool.num_blocks)
@@ -113,22 +116,38 @@ def test_layered_pool_unrolls_the_layers_with_the_same_logits_and_cache():
                          strict=True):
         np.testing.assert_allclose(got, want, atol=1e-5)
     batch = pack_batch([SeqChunk(ids[:3], 0, table(6))], 4)
-    loops = lambda runner: runner.forward.lower(params, runner.pool, batch).as_text().count(
-        "stablehlo.while")
+    loops = lambda runner: runner.forward.lower(runner.params, runner.pool, batch).as_text(
+    ).count("stablehlo.while")
     assert loops(unrolled) == loops(looped) - 1  # no layer loop: straight-line layers
-    # One param tree per layer (what the engine passes when unrolled): same numbers, and the
-    # program takes whole per-layer weights instead of slicing the stacked ones.
-    per_layer = unstack_layer_params(params)
-    assert len(per_layer["layers"]) == cfg.num_hidden_layers
-    fresh = PagedRunner(cfg, per_layer, pool_type=LayeredKVPool)
-    np.testing.assert_allclose(fresh.run(ids, chunks, table(6)),
-                               looped.run(ids, chunks, table(6)), atol=1e-5)
-    slices = lambda p: fresh.forward.lower(p, fresh.pool, batch).as_text().count(
-        "stablehlo.slice")
-    assert slices(per_layer) < slices(params)
     # donate: the caller's stacked leaves are deleted once sliced (one leaf of extra memory).
     owned = jax.tree.map(jnp.copy, params)
     donated = unstack_layer_params(owned, donate=True)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(owned["layers"]))
     for got, want in zip(jax.tree.leaves(donated), jax.tree.leaves(per_layer), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_params_and_pool_layouts_must_agree():
+    cfg = TINY_CONFIGS["llama3_rope_scaling"]
+    params = random_params(cfg, seed=3)
+    forward = make_forward(cfg)
+    batch = pack_batch([SeqChunk([1, 2, 3], 0, table(1))], 4)
+    scanned_pool = PagedRunner(cfg, params).pool
+    unrolled_pool = PagedRunner(cfg, unstack_layer_params(params)).pool
+    with pytest.raises(TypeError, match="per-layer layers need a LayeredKVPool"):
+        forward(unstack_layer_params(params), scanned_pool, batch)
+    with pytest.raises(TypeError, match="stacked layers need a KVPool"):
+        forward(params, unrolled_pool, batch)
+
+
+def test_one_setting_lays_out_params_both_ways_and_back():
+    model = load_model("smollm2-135m", load_format="dummy", dtype="float32",
+                       config=TINY_CONFIGS["llama2_tied_mha"], unroll_layers=True)
+    assert model.unroll_layers and isinstance(model.params["layers"], tuple)
+    stacked = model.with_layer_layout(False)
+    assert not stacked.unroll_layers
+    assert stacked.with_layer_layout(False) is stacked  # nothing to do: the same object
+    again = stacked.with_layer_layout(True)
+    for got, want in zip(jax.tree.leaves(again.params), jax.tree.leaves(model.params),
+                         strict=True):
         np.testing.assert_array_equal(got, want)

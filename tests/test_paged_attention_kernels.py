@@ -29,7 +29,8 @@ from jaxllm.pallas_kernels.paged_attention.shapes import AWKWARD_LENGTHS, HEAD_S
 from paged_attention_cases import TOLERANCES, decode_chunks, make_case
 
 from jaxllm.attention import is_decode_batch, paged_attention, resolve_backend
-from jaxllm.batch import BatchMetadata, KVPool
+from jaxllm.batch import BatchMetadata
+from jaxllm.kv_pool import KVPool
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 

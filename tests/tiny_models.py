@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import KVPool, ModelConfig, RopeScaling, SeqChunk, make_forward, pack_batch
+from jaxllm.kv_pool import new_kv_pool
 from jaxllm.models import LlamaForCausalLM
+from jaxllm.models.llama import has_per_layer_params
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -46,13 +48,15 @@ def random_params(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32):
 
 
 class PagedRunner:
-    """Runs sequences through the jitted forward in caller-chosen chunks over one pool."""
+    """Runs sequences through the jitted forward in caller-chosen chunks over one pool, packed
+    by the engine's own builder (``pack_batch``). The pool's layout follows the params'
+    (per-layer params: the unrolled stack)."""
 
     def __init__(self, cfg: ModelConfig, params, *, block_size: int = 4, num_blocks: int = 64,
-                 dtype=jnp.float32, backend: str = "auto", pool_type=KVPool):
+                 dtype=jnp.float32, backend: str = "auto"):
         self.cfg, self.params, self.block_size = cfg, params, block_size
-        self.pool = pool_type.zeros(cfg.num_hidden_layers, num_blocks, block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype)
+        self.pool = new_kv_pool(cfg, num_blocks, block_size, dtype,
+                                unroll_layers=has_per_layer_params(params))
         self.forward = jax.jit(make_forward(cfg, dtype, backend), donate_argnums=(1,))
 
     def step(self, chunks: Sequence[SeqChunk], **pad) -> np.ndarray:

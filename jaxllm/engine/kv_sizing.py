@@ -12,9 +12,9 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 
-from jaxllm.batch import BatchMetadata, KVPool, LayeredKVPool
+from jaxllm.batch import batch_spec, pack_batch
+from jaxllm.kv_pool import kv_block_bytes, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
 from jaxllm.sampling import build_sampling_metadata, sample
@@ -32,15 +32,10 @@ class KVPlan:
     report: str
 
 
-def kv_block_bytes(model: LoadedModel, block_size: int) -> int:
-    cfg = model.config
-    return (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim
-            * jnp.dtype(model.dtype).itemsize)
-
-
 def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_width: int,
-                     attention_backend: str, unroll_layers: bool = False) -> int:
-    """Temporary device memory of the jitted step at its largest shape (compiled, not run)."""
+                     attention_backend: str) -> int:
+    """Temporary device memory of the jitted step at its largest shape (compiled, not run),
+    for the model's layer layout."""
     cfg = model.config
     forward = make_forward(cfg, model.dtype, attention_backend)
 
@@ -48,14 +43,10 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
         logits, kv_pool = forward(params, kv_pool, batch)
         return sample(logits, md, num_logprobs=0, use_penalties=False), kv_pool
 
-    pool_type = LayeredKVPool if unroll_layers else KVPool
-    pool = jax.eval_shape(lambda: pool_type.zeros(cfg.num_hidden_layers, 2, 16,
-                                                  cfg.num_key_value_heads, cfg.head_dim,
-                                                  model.dtype))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    batch = BatchMetadata(i32(num_tokens), i32(num_tokens), i32(num_tokens),
-                          i32(num_seqs, table_width), i32(num_seqs), i32(num_seqs + 1),
-                          i32(num_seqs))
+    pool = jax.eval_shape(lambda: new_kv_pool(cfg, 2, 16, model.dtype,
+                                              unroll_layers=model.unroll_layers))
+    batch = batch_spec(pack_batch([], 16, num_tokens=num_tokens, num_seqs=num_seqs,
+                                  table_width=table_width, num_logits=num_seqs))
     md = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                       build_sampling_metadata([], num_seqs, 0, 8))
     compiled = jax.jit(step).lower(model.params, pool, batch, md).compile()
@@ -66,9 +57,8 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
                    cpu_kv_cache_space: float, swap_space: float,
                    num_gpu_blocks_override: int | None, max_num_seqs: int, max_model_len: int,
-                   max_num_batched_tokens: int, attention_backend: str,
-                   unroll_layers: bool = False) -> KVPlan:
-    per_block = kv_block_bytes(model, block_size)
+                   max_num_batched_tokens: int, attention_backend: str) -> KVPlan:
+    per_block = kv_block_bytes(model.config, block_size, model.dtype)
     useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
     num_cpu = min(int(swap_space * GiB) // per_block, useful)
     device = jax.devices()[0]
@@ -85,8 +75,7 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
         in_use = stats.get("bytes_in_use", 0)
         activations = activation_bytes(model, max_num_batched_tokens,
                                        min(max_num_seqs, max_num_batched_tokens),
-                                       -(-max_model_len // block_size), attention_backend,
-                                       unroll_layers)
+                                       -(-max_model_len // block_size), attention_backend)
         kv_bytes = budget - in_use - activations
         if kv_bytes < 2 * per_block:
             raise ValueError(
@@ -109,4 +98,4 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     return KVPlan(num_gpu, num_cpu, per_block, report)
 
 
-__all__ = ["KVPlan", "activation_bytes", "kv_block_bytes", "plan_kv_blocks"]
+__all__ = ["KVPlan", "activation_bytes", "plan_kv_blocks"]

@@ -27,7 +27,6 @@ from jaxllm.engine.outputs import RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
-from jaxllm.models.llama import unstack_layer_params
 from jaxllm.sampling import SamplerInput, needs_penalties
 from jaxllm.sampling_params import SamplingParams
 
@@ -74,15 +73,13 @@ class LLMEngine:
             os.makedirs(config.compilation_cache_dir, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        owns_model = model is None
-        if model is None:
-            model = load_model(config.model, dtype=config.dtype,
-                               load_format=config.load_format, seed=config.seed)
         config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
                                                                     jax.default_backend()))
-        if config.unroll_layers:  # a caller's model keeps its stacked params
-            model = dataclasses.replace(
-                model, params=unstack_layer_params(model.params, donate=owns_model))
+        if model is None:
+            model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
+                               seed=config.seed, unroll_layers=config.unroll_layers)
+        # A caller's model keeps its own layout: the engine works on a re-laid-out copy.
+        model = model.with_layer_layout(config.unroll_layers)
         self.model = model
         self.tokenizer = model.tokenizer
         model_len = model.config.max_position_embeddings
@@ -104,8 +101,7 @@ class LLMEngine:
             cpu_kv_cache_space=config.cpu_kv_cache_space, swap_space=config.swap_space,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_batched, attention_backend=backend,
-            unroll_layers=config.unroll_layers)
+            max_num_batched_tokens=max_batched, attention_backend=backend)
         logger.info(plan.report)
         if -(-max_model_len // config.block_size) > plan.num_gpu_blocks - 1:
             fits = (plan.num_gpu_blocks - 1) * config.block_size
@@ -129,8 +125,7 @@ class LLMEngine:
             model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
             num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-            attention_backend=backend, bucket_table_width=backend == "reference",
-            unroll_layers=config.unroll_layers)
+            attention_backend=backend, bucket_table_width=backend == "reference")
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}

