@@ -6,9 +6,9 @@ import argparse
 import sys
 
 COMMANDS = {
-    "throughput": ("benchmarks.throughput", "offline throughput: jaxllm vs hf vs jax-static"),
-    "serve": ("benchmarks.serve_client", "load-test an OpenAI-compatible server"),
-    "latency": ("benchmarks.latency", "decode step time vs the memory roofline"),
+    "throughput": ("jaxllm.benchmarks.throughput", "offline throughput: jaxllm vs hf vs jax-static"),
+    "serve": ("jaxllm.benchmarks.serve_client", "load-test an OpenAI-compatible server"),
+    "latency": ("jaxllm.benchmarks.latency", "decode step time vs the memory roofline"),
 }
 
 

@@ -6,10 +6,11 @@
 What is timed: one decode step of the jitted model forward (the engine's
 ``forward(params, kv_pool, batch) -> (logits, kv_pool)`` with the pool donated, as the engine's
 runner calls it) for B sequences that each hold ``--context-len`` tokens in the paged pool
-(blocks laid out contiguously per sequence) and add one token; greedy argmax on the logits is
-included. The pool holds zeros: attention reads the same bytes whatever they hold. Median of
-``--iters`` steps after warm-up, each synchronised with ``block_until_ready``. This is the
-device side of a step; the engine's host work per step is in ``benchmarks/engine_step.py``.
+(blocks laid out contiguously per sequence) and add one token; the engine's sampler in its
+all-greedy variant is included. The pool holds zeros: attention reads the same bytes whatever
+they hold. Median of ``--iters`` steps after warm-up, each synchronised with
+``block_until_ready``. This is the device side of a step; the engine's host work per step is
+in ``benchmarks/engine_step.py``.
 
 Roofline (``../shared/reference/performance.md`` section 6): a decode step must read every
 weight once and every sequence's K and V once, so
@@ -102,9 +103,9 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     the result is ready: a launch as long as the step means the host is blocked), and the
     compiled step's temporary bytes."""
     import jax
-    import jax.numpy as jnp
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
+    from jaxllm.sampling import build_sampling_metadata, sample
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
@@ -116,10 +117,12 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
               for i in range(batch_size)]
     batch = jax.device_put(pack_batch(chunks, block_size))
     forward = make_forward(cfg, model.dtype, backend)
+    greedy_rows = build_sampling_metadata([], batch_size, 0, 0)  # padding rows are greedy
 
     def step(params, kv_pool, batch):
         logits, kv_pool = forward(params, kv_pool, batch)
-        return jnp.argmax(logits, axis=-1), kv_pool
+        return sample(logits, greedy_rows, all_greedy=True, use_top_k_top_p=False).sampled, \
+            kv_pool
 
     step = jax.jit(step, donate_argnums=(1,)).lower(model.params, pool, batch).compile()
     # XLA's plan beyond the pool: a pool-sized figure here means the pool is not updated in place.

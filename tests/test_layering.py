@@ -85,3 +85,20 @@ def test_pyproject_installs_every_package_under_its_namespace():
             rel = init.parent.relative_to(ROOT / folder).parts
             on_disk.add(".".join((name, *rel)))
     assert set(setuptools["packages"]) == on_disk
+
+
+def test_entry_points_run_outside_the_repository(tmp_path):
+    """From another directory no top-level ``benchmarks`` or ``serve`` can be found, so every
+    subcommand must name its module under the jaxllm namespace."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    commands = [["jaxllm.benchmarks", sub, "--help"] for sub in ("throughput", "serve", "latency")]
+    commands.append(["jaxllm.serve", "--help"])
+    for cmd in commands:
+        done = subprocess.run([sys.executable, "-m", *cmd], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (cmd, done.stderr[-2000:])
+        assert "usage" in done.stdout.lower(), cmd
