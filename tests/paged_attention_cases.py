@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.batch import BatchMetadata, SeqChunks, pack_batch
+
 # Kernel vs reference on the same (rounded) inputs: max |diff| <= atol + rtol * |ref|.
 TOLERANCES = {
     jnp.float32: dict(atol=2e-5, rtol=2e-5),
@@ -20,6 +22,7 @@ TOLERANCES = {
 @dataclasses.dataclass
 class Case:
     args: tuple  # positional arguments of paged_attention_reference and the kernels
+    batch: BatchMetadata  # the same step's metadata, as pack_batch builds it for the model
     num_real_tokens: int  # tokens past this are padding
     sliding_window: int | None
     scale: float
@@ -52,19 +55,18 @@ def make_case(chunks: Sequence[tuple[int, int]], *, block_size: int, num_q_heads
         for pos in range(total, pages[s] * block_size):
             blk = tables[s, pos // block_size]
             k[:, blk, pos % block_size] = v[:, blk, pos % block_size] = np.nan
-    starts, positions = [0], []
-    for cached, new in chunks:
-        starts.append(starts[-1] + new)
-        positions.extend(range(cached, cached + new))
-    num_real = starts[-1]
-    starts += [num_real] * extra_seqs
-    positions += [0] * extra_tokens
-    seq_lens = totals + [0] * extra_seqs
+    # The step's metadata as the engine packs it (padding tokens and sequence slots included).
+    num_new = np.asarray([n for _, n in chunks], np.int32)
+    num_real = int(num_new.sum())
+    batch = pack_batch(
+        SeqChunks(np.zeros(num_real, np.int32), num_new,
+                  np.asarray([c for c, _ in chunks], np.int32), tables[:len(chunks)]),
+        block_size, num_tokens=num_real + extra_tokens, num_seqs=num_seqs, table_width=width)
     q = rng.standard_normal((num_real + extra_tokens, num_q_heads, head_dim), np.float32)
     args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.int32(layer),
-            jnp.asarray(tables), jnp.asarray(seq_lens, jnp.int32), jnp.asarray(starts, jnp.int32),
-            jnp.asarray(positions, jnp.int32))
-    return Case(args, num_real, sliding_window, head_dim ** -0.5)
+            jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens),
+            jnp.asarray(batch.query_start_loc), jnp.asarray(batch.positions))
+    return Case(args, batch, num_real, sliding_window, head_dim ** -0.5)
 
 
 def decode_chunks(lengths: Sequence[int]) -> list[tuple[int, int]]:

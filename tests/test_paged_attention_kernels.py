@@ -227,11 +227,8 @@ class TestMixedGPU(MixedSuite):
 
 
 def batch_of(case) -> tuple[jax.Array, KVPool, BatchMetadata]:
-    q, k, v, _, tables, seq_lens, starts, positions = case.args
-    batch = BatchMetadata(input_ids=positions, positions=positions, slot_mapping=positions,
-                          block_tables=tables, seq_lens=seq_lens, query_start_loc=starts,
-                          logits_indices=positions[:1])
-    return q, KVPool(k, v), batch
+    q, k, v = case.args[:3]
+    return q, KVPool(k, v), case.batch
 
 
 def test_auto_backend_is_reference_on_cpu_and_pallas_on_gpu():
