@@ -177,6 +177,8 @@ async def _outputs(state: ServerState, request_id: str, prompts: list[Prompt],
 
 async def _one(state: ServerState, engine_id: str, prompt: Prompt, req: GenerationRequest,
                ticket: Ticket, index: int, arrival: float) -> AsyncIterator[RequestOutput]:
+    if state.aborting:  # tokenized after the drain deadline: it never reaches the engine
+        raise APIError("The server is shutting down.", 503, headers={"Connection": "close"})
     tracker = state.metrics.tracker(arrival, req.params.n)
     state.active.add(engine_id)
     try:

@@ -15,7 +15,8 @@ from jaxllm.serve.errors import APIError, overloaded
 from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 
-from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("serve")
 
@@ -66,6 +67,7 @@ class ServerState:
         self.created = int(time.time())
         self.admission = Admission(config.max_queue_len)
         self.draining = False
+        self.aborting = False  # past the drain deadline: requests not yet in the engine get 503
         self.active: set[str] = set()  # engine request ids in flight
         self.handlers = 0  # generation handlers running
         self._idle: asyncio.Event | None = None
@@ -128,11 +130,37 @@ class ServerState:
             return not self.handlers
 
     def abort_all(self) -> None:
+        """Aborts every engine request of this server now (a second signal); no count."""
+        self.aborting = True
         for request_id in list(self.active):
             try:
                 self.engine.abort(request_id)
             except Exception:  # noqa: BLE001 - the engine may already be dead
                 logger.debug("abort of %s failed", request_id, exc_info=True)
+
+    async def abort_unfinished(self) -> int:
+        """Aborts the requests of this server that the engine still runs; returns how many.
+
+        Decided on the engine thread between two steps, so the count is exact: a request that
+        has finished in the engine but whose handler has not yet read its final output (still
+        in ``active``) is not aborted and not counted, and every request counted ends with
+        ``finish_reason="abort"``. Requests still being tokenized get 503 (``aborting``)."""
+        self.aborting = True
+        ids = set(self.active)
+
+        def abort(engine: LLMEngine) -> int:
+            scheduler = engine.scheduler
+            unfinished = [group.request_id
+                          for queue in (scheduler.waiting, scheduler.running, scheduler.swapped)
+                          for group in queue if group.request_id in ids]
+            for request_id in unfinished:  # queued behind this call: applied before a step
+                self.engine.abort(request_id)
+            return len(unfinished)
+
+        try:
+            return await self.engine.run_in_engine(abort)
+        except EngineDeadError:  # its requests have failed already
+            return 0
 
     async def in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
