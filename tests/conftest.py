@@ -1,18 +1,59 @@
-"""Shared fixtures: the real SmolLM2 model (loaded once) and tiny random model helpers."""
+"""Shared fixtures: the real SmolLM2 model (loaded once), one SmolLM2 engine for the API and
+server tests, and tiny random model helpers.
+
+Compiled programs are reused across the whole run: one persistent XLA compilation cache
+(a fresh temporary directory unless ``JAX_COMPILATION_CACHE_DIR`` names one) serves every
+engine built here and every process started from here (server subprocesses, notebook
+kernels), which inherit the settings below through the environment. An eager engine compiles
+each step shape on first use; a second engine over the same model, pool and limits loads
+those programs from the cache (~0.3 s a shape instead of ~2 s on 2 cores).
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+
+def _compile_cache_dir() -> str:
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not path:
+        path = tempfile.mkdtemp(prefix="jaxllm-tests-xla-")
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+# Read by jax at import, here and in every subprocess: cache every program, however quick.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _compile_cache_dir()
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Parity tests compare float32 numerics with torch; keep XLA's CPU matmuls exact. Set for
+# subprocesses too: the precision is part of a program's cache key.
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "highest"
+# What an eager engine (enforce_eager) adds to XLA_FLAGS, set before any compile: the flags
+# are part of the cache key, so programs compiled before and after the first eager engine,
+# and in subprocesses, share entries.
+if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
+
 import jax  # noqa: E402
 
-# Parity tests compare float32 numerics with torch; keep XLA's CPU matmuls exact.
-jax.config.update("jax_default_matmul_precision", "highest")
+assert jax.config.jax_default_matmul_precision == "highest"
+# The limits of the shared SmolLM2 engine (test_llm_api, test_server) and of the other SmolLM2
+# engines and servers that should reuse its compiled step shapes (test_server_faults,
+# test_server_shutdown): the same limits and KV pool give the same programs. 129 blocks of 16
+# tokens also hold one 2048-token request (test_server_shutdown's long stream).
+SMOLLM2_ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                           num_gpu_blocks_override=129, enforce_eager=True,
+                           compilation_cache_dir=None)
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +61,21 @@ def smollm2():
     import jaxllm
 
     return jaxllm.load_model(None, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2):
+    """One eager SmolLM2 engine (``LLM``) for the whole run; every user leaves it idle with
+    every KV block free (checked after each module)."""
+    import jaxllm
+
+    return jaxllm.LLM(smollm2, progress=False, **SMOLLM2_ENGINE_ARGS)
+
+
+def assert_engine_idle(engine) -> None:
+    """Nothing queued, running or swapped, and every KV block back in the pool."""
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_gpu_blocks - 1
+    assert bm.num_free_cpu_blocks == bm.num_cpu_blocks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
@@ -17,6 +18,14 @@ def cumulative(request_id: str, tokens: list[int], finished: bool) -> RequestOut
     return RequestOutput(request_id, None, [1], [CompletionOutput(
         0, text, list(tokens), None, None, "length" if finished else None)], finished,
         RequestMetrics(arrival_time=0.0))
+
+
+async def wait_until(condition, timeout: float = 30.0) -> None:
+    """Polls ``condition`` (state the engine thread changes) instead of sleeping a guess."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the engine thread"
+        await asyncio.sleep(0.005)
 
 
 class StandInEngine:
@@ -86,8 +95,8 @@ def test_a_consumer_that_falls_behind_gets_the_newest_output_and_loses_nothing()
         seen = []
         async for out in engine.generate("r", "prompt", None):
             seen.append(out.outputs[0].token_ids)
-            if len(seen) == 1:
-                await asyncio.sleep(0.3)  # a slow client: the engine runs ahead meanwhile
+            if len(seen) == 1:  # a slow client: the engine runs to the end meanwhile
+                await wait_until(lambda: not stand_in.requests)
         return seen
 
     try:
@@ -108,7 +117,8 @@ def test_an_error_behind_waiting_outputs_still_reaches_the_consumer():
         try:
             async for out in engine.generate("r", "prompt", None):
                 seen.append(out.outputs[0].token_ids)
-                await asyncio.sleep(0.3)  # steps 2, 3 and the failing 4th run meanwhile
+                # Steps 2, 3 and the failing 4th run meanwhile.
+                await wait_until(lambda: engine.dead_error is not None)
         except EngineDeadError as e:
             return seen, e
         return seen, None

@@ -33,6 +33,12 @@ def make_engine(model, **overrides):
     return LLMEngine(EngineConfig(**args | overrides), model=model, progress=False)
 
 
+# A small pool (15 usable blocks of 8 tokens) for 96-token requests: far less than a workload
+# needs at once. The preemption, recompilation and stress tests share it, so their engines run
+# the same step programs (compiled once per run, then read from the compilation cache).
+SMALL_POOL = dict(num_gpu_blocks_override=16, max_model_len=96)
+
+
 def workload(count=18, seed=0):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, CFG.vocab_size, int(n)).tolist()
@@ -107,9 +113,7 @@ def test_continuous_batching_equals_one_at_a_time(model, async_scheduling):
     ("swap", False, False), ("swap", True, True)])
 def test_preemption_keeps_outputs_exact(model, mode, async_scheduling, unroll_layers):
     prompts, max_tokens = workload(16, seed=1)
-    # 24 usable blocks of 8 tokens: far less than the workload needs at once.
-    engine = make_engine(model, num_gpu_blocks_override=25, max_model_len=96,
-                         preemption_mode=mode, swap_space=0.01,
+    engine = make_engine(model, **SMALL_POOL, preemption_mode=mode, swap_space=0.01,
                          async_scheduling=async_scheduling, unroll_layers=unroll_layers)
     outputs = run_all(engine, prompts, max_tokens)
     assert engine.scheduler.num_preemptions > 0
@@ -178,8 +182,7 @@ def test_abort_and_finish_free_every_block(model):
 
 @pytest.mark.parametrize("unroll_layers", [False, True])
 def test_no_recompilation_after_warm_up(model, unroll_layers):
-    engine = make_engine(model, enforce_eager=False, max_model_len=96, max_num_seqs=4,
-                         unroll_layers=unroll_layers)
+    engine = make_engine(model, **SMALL_POOL, enforce_eager=False, unroll_layers=unroll_layers)
     runner = engine.runner
     compiled = runner.num_compilations
     num_row_buckets = len({s.num_seqs for s in runner.buckets.all_shapes()})
@@ -233,8 +236,9 @@ def test_activation_plan_is_compiled_for_either_pool(model, unroll_layers):
     """The GPU memory plan subtracts the largest step's temporaries (compiled, never run)."""
     from jaxllm.engine.kv_sizing import activation_bytes
 
-    small = activation_bytes(model, 16, 4, 8, "reference", unroll_layers)
-    large = activation_bytes(model, 256, 8, 8, "reference", unroll_layers)
+    laid_out = model.with_layer_layout(unroll_layers)
+    small = activation_bytes(laid_out, 16, 4, 8, "reference")
+    large = activation_bytes(laid_out, 256, 8, 8, "reference")
     assert 0 < small < large
 
 

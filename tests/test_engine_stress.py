@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine import BLOCK, CFG, assert_no_leak, make_engine, model, reference  # noqa: F401
+from test_engine import (  # noqa: F401
+    BLOCK,
+    CFG,
+    SMALL_POOL,
+    assert_no_leak,
+    make_engine,
+    model,
+    reference,
+)
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -14,9 +22,8 @@ from jaxllm.sampling_params import SamplingParams
                                                 (2, "fcfs", "recompute"), (3, "priority", "swap")])
 def test_random_arrivals_aborts_and_preemptions(model, seed, policy, mode):  # noqa: F811
     rng = np.random.default_rng(seed)
-    engine = make_engine(model, num_gpu_blocks_override=16, max_model_len=96,
-                         scheduling_policy=policy, preemption_mode=mode, swap_space=0.01,
-                         enable_prefix_caching=bool(seed % 2))
+    engine = make_engine(model, **SMALL_POOL, scheduling_policy=policy, preemption_mode=mode,
+                         swap_space=0.01, enable_prefix_caching=bool(seed % 2))
     submitted: dict[str, tuple] = {}
     finished: dict[str, object] = {}
     aborted: set[str] = set()

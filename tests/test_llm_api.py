@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_engine_idle
 
 import jaxllm
 from jaxllm import LLM, AsyncLLMEngine, EngineDeadError, SamplingParams
@@ -16,9 +18,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return LLM(smollm2, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-               enforce_eager=True, compilation_cache_dir=None, progress=False)
+def llm(smollm2_llm):
+    """The run's shared SmolLM2 engine (conftest), left idle by every test here."""
+    yield smollm2_llm
+    assert_engine_idle(smollm2_llm.engine)
 
 
 def greedy(max_tokens, **kw):
@@ -29,11 +32,15 @@ def test_generate_matches_the_jitted_generate_function(llm, smollm2):
     prompts = ["The capital of France is", "def add(a, b):", "从前有一座山，"]
     outs = llm.generate(prompts, greedy(12, ignore_eos=True), use_tqdm=False)
     tok = smollm2.tokenizer
-    for prompt, out in zip(prompts, outs, strict=True):
-        ids = tok(prompt)["input_ids"]
-        ref = jaxllm.generate(smollm2.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
-                              jax.random.key(0), config=smollm2.config, max_new_tokens=12)
-        assert out.outputs[0].token_ids == np.asarray(ref.tokens[0]).tolist()
+    all_ids = [tok(prompt)["input_ids"] for prompt in prompts]
+    padded = np.zeros((len(prompts), 16), np.int32)  # one call: generate() compiles once
+    for row, ids in enumerate(all_ids):
+        padded[row, :len(ids)] = ids
+    ref = jaxllm.generate(smollm2.params, jnp.asarray(padded),
+                          jnp.asarray([len(ids) for ids in all_ids]), jax.random.key(0),
+                          config=smollm2.config, max_new_tokens=12)
+    for row, (prompt, ids, out) in enumerate(zip(prompts, all_ids, outs, strict=True)):
+        assert out.outputs[0].token_ids == np.asarray(ref.tokens[row]).tolist()
         assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
         assert out.prompt == prompt and out.prompt_token_ids == ids
 
@@ -113,10 +120,11 @@ def test_async_engine_streams_chinese_cleanly_and_aborts_on_close(llm):
         async for _ in stream:
             break
         await stream.aclose()  # the client went away
-        for _ in range(100):
+        # The abort is applied between two steps: wait for the engine to be idle.
+        deadline = time.monotonic() + 60
+        while await engine.run_in_engine(lambda e: e.has_unfinished_requests()):
+            assert time.monotonic() < deadline, "the aborted request is still running"
             await asyncio.sleep(0.02)
-            if not await engine.run_in_engine(lambda e: e.has_unfinished_requests()):
-                break
         return last_text
 
     try:

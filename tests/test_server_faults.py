@@ -10,6 +10,7 @@ import time
 
 import aiohttp
 import pytest
+from conftest import SMOLLM2_ENGINE_ARGS
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.server import BackgroundServer
 
@@ -21,9 +22,9 @@ C = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def faulty(smollm2):
-    engine = LLMEngine(EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
-                                    enforce_eager=True, compilation_cache_dir=None),
-                       model=smollm2, progress=False)
+    # Its own engine (the fault kills it), with the shared engine's limits: the step shapes
+    # it runs come from the run's compilation cache.
+    engine = LLMEngine(EngineConfig(**SMOLLM2_ENGINE_ARGS), model=smollm2, progress=False)
     fault = {"armed": False}
     real_step = engine.step
 
