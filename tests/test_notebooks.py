@@ -1,6 +1,8 @@
-"""The notebooks: each runs top to bottom on CPU (nbclient), in a temporary directory.
+"""The notebooks: each runs top to bottom on CPU (nbclient), in a temporary directory, on a
+small configuration (SMALL_CONFIGS, injected after its parameters cell).
 
-A cell that raises fails the test, and so does a figure shown without axis labels or a title.
+A cell that raises fails the test, and so does a figure shown without axis labels or a title,
+or a result that no longer shows what the notebook is about (SHOWN, run after its last cell).
 The fast checks read the notebooks without running them: only the public ``jaxllm`` API is
 imported, and no outputs are committed.
 """
@@ -67,6 +69,44 @@ KERNELS_JSON = {
 }
 
 
+# The test's small configuration of each notebook, run right after its parameters cell (tagged
+# "parameters", as papermill injects parameters): the notebooks keep their defaults for readers.
+SMALL_CONFIGS = {
+    "01_paged_kv_cache": "MEASURE_NUM_REQUESTS = 6\n",
+    # Random prompt ids and fixed lengths: a tiny random-weight model runs the same schedule.
+    "02_continuous_batching": """\
+import jaxllm
+
+MODEL_CONFIG = jaxllm.ModelConfig(vocab_size=32000, hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16)
+""",
+    "03_research_generate": "TEMPERATURES = (0.0, 0.6, 1.2)\nSAMPLES_PER_TEMPERATURE = 2\n"
+                            "NUM_KEYS = 2\nTIMING_BATCH_SIZES = (1, 4)\n",
+}
+
+# What each notebook shows, checked after its last cell on the small configuration.
+SHOWN = {
+    "01_paged_kv_cache": """\
+assert group_b.metrics.num_cached_tokens >= BLOCK_SIZE  # request 1 reused request 0's blocks
+assert 0 < measured < 1 and abs(measured - predicted) < 0.05, (measured, predicted)
+""",
+    "02_continuous_batching": """\
+assert continuous.num_steps < static.num_steps
+assert rows["continuous"]["latency"].mean() < rows["static"]["latency"].mean()
+preemptions = {m: traces[m].engine.scheduler.num_preemptions for m in traces}
+assert preemptions["recompute"] > 0 and preemptions["swap"] > 0, preemptions
+assert preemptions["large pool"] == 0, preemptions
+assert computed_tokens[0] > needed == computed_tokens[1] == computed_tokens[2]
+""",
+    "03_research_generate": """\
+assert avg_lp[0] > avg_lp[-1]  # hotter samples are less likely under the model
+assert abs(score(prompt_ids, [greedy])[0] - float(out.logprobs[0].sum())) < 1e-2
+assert same  # a vmapped key gives what a separate call with it gives
+""",
+}
+
+
 def code_cells(path: Path) -> list[str]:
     nb = nbformat.read(path, as_version=4)
     return [cell.source for cell in nb.cells if cell.cell_type == "code"]
@@ -95,7 +135,9 @@ def test_public_api_only(path):
         f"{path.name} imports a jaxllm submodule")
     assert not re.search(r"^\s*from\s+jaxllm\s+import", source, re.MULTILINE), (
         f"{path.name}: use `import jaxllm` and jaxllm.<name>")
-    used = {n for n in re.findall(r"\bjaxllm\.(\w+)", source) if not n.startswith("__")}
+    used = {node.attr for node in ast.walk(ast.parse(source))  # code, not strings or comments
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "jaxllm" and not node.attr.startswith("__")}
     assert used <= public_names(), f"{path.name} uses non-public {used - public_names()}"
 
 
@@ -109,8 +151,15 @@ def test_committed_without_outputs(path):
 
 
 def execute(path: Path, workdir: Path, **env: str) -> None:
+    """Runs the notebook on its small configuration, then checks what it shows."""
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
+    if path.stem in SMALL_CONFIGS:
+        params = next(i for i, cell in enumerate(nb.cells)
+                      if "parameters" in cell.metadata.get("tags", ()))
+        nb.cells.insert(params + 1, nbformat.v4.new_code_cell(SMALL_CONFIGS[path.stem]))
+    if path.stem in SHOWN:
+        nb.cells.append(nbformat.v4.new_code_cell(SHOWN[path.stem]))
     nb.cells.insert(0, nbformat.v4.new_code_cell(CHECK_FIGURES))
     kernel_env = os.environ | {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
