@@ -6,7 +6,7 @@ import argparse
 import sys
 
 COMMANDS = {
-    "throughput": ("jaxllm.benchmarks.throughput", "offline throughput: jaxllm vs hf vs jax-static"),
+    "throughput": ("jaxllm.benchmarks.throughput", "offline throughput: jaxllm vs the baselines"),
     "serve": ("jaxllm.benchmarks.serve_client", "load-test an OpenAI-compatible server"),
     "latency": ("jaxllm.benchmarks.latency", "decode step time vs the memory roofline"),
 }
