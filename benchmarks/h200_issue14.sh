@@ -16,7 +16,7 @@
 # `wait` copies the results to $OUT: issue14_status.txt, issue14_results.tgz (JSONs, logs).
 #
 # Steps (expected time on two H200s; the chain skips a step that its budget cannot fit):
-#   s1 sharegpt-like 1000: jaxllm (GPU 0) | hf-tuned (GPU 1)                      ~5 min
+#   s1 sharegpt-like 1000: jaxllm (GPU 0) | hf-tuned (GPU 1)                      ~13 min
 #   s2 random 512/128 1000: jaxllm (GPU 0) | hf-tuned (GPU 1)                     ~3.5 min
 #   s3 random 512/128 1000: hf-cb (GPU 0) | hf, vLLM-style (GPU 1)                ~5 min
 #   s4 sharegpt-like, first 256 prompts: hf-cb (GPU 0) | jaxllm then hf (GPU 1)   ~4 min
@@ -35,7 +35,7 @@ set -o pipefail
 CMD=${1:-status}; LIMIT=${2:-540}
 DIR=${DIR:-/tmp/issue14}; OUT=${OUT:-$DIR/out}
 MODEL=${MODEL:-llama-3-8b}; DTYPE=${DTYPE:-bfloat16}; PY=${PY:-python3}; HF_PYTHON=${HF_PYTHON:-$PY}
-N=${N:-1000}; N_SMALL=${N_SMALL:-256}; BUDGET=${BUDGET:-1200}
+N=${N:-1000}; N_SMALL=${N_SMALL:-256}; BUDGET=${BUDGET:-1500}
 SHAREGPT=${SHAREGPT_WORKLOAD:---dataset-name sharegpt-like}
 RANDOM_WL=${RANDOM_WORKLOAD:---dataset-name random --input-len 512 --output-len 128}
 ENGINE=${ENGINE:---max-num-seqs 256 --max-num-batched-tokens 2048 --num-gpu-blocks-override 48000 --unroll-layers}
@@ -78,8 +78,9 @@ chain() {
   # shellcheck disable=SC2086
   {
     # sharegpt-like lengths vary (4..1024 each way): a static cache would hold every row at the
-    # run's longest 2048 tokens, so hf-tuned keeps the dynamic cache there (sorted, sdpa).
-    step s1_sharegpt 240 600 $SHAREGPT --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,1 \
+    # run's longest 2048 tokens, so hf-tuned keeps the dynamic cache there (sorted, sdpa). It
+    # needed 730 s of one GPU on 2026-11-30 (600 s killed it): 900 s, spanning two calls.
+    step s1_sharegpt 240 900 $SHAREGPT --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,1 \
       --hf-tuned-cache dynamic
     step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,1
     step s3_random 240 480 $RANDOM_WL --num-prompts "$N" --backend hf-cb,hf --devices 0,1
