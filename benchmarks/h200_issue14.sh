@@ -29,7 +29,7 @@
 #   MODEL (llama-3-8b), DTYPE (bfloat16), PY (python3), HF_PYTHON (= PY), N (1000),
 #   N_SMALL (256), SHAREGPT_WORKLOAD ("--dataset-name sharegpt-like"), RANDOM_WORKLOAD
 #   ("--dataset-name random --input-len 512 --output-len 128"), ENGINE (the engine flags of
-#   the earlier H200 runs), HF_TUNED_CACHE (auto), BUDGET (seconds of chain time, 1200), DIR
+#   the earlier H200 runs), HF_TUNED_CACHE (auto), BUDGET (seconds of chain time, 1500), DIR
 #   (/tmp/issue14).
 set -o pipefail
 CMD=${1:-status}; LIMIT=${2:-540}
