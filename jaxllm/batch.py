@@ -169,17 +169,9 @@ def _set(xp, array, index, values):
     return array.at[index].set(values)
 
 
-def token_seq_ids(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
-    """Sequence index of every flat token: i32[T]. Tokens past the last sequence map to S-1."""
-    num_seqs = query_start_loc.shape[0] - 1
-    ids = jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right")
-    return jnp.minimum(ids, num_seqs - 1).astype(jnp.int32)
-
-
 def batch_spec(batch: BatchMetadata) -> BatchMetadata:
     """The same batch as ``jax.ShapeDtypeStruct`` leaves (for lowering without data)."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
 
-__all__ = ["BatchMetadata", "SeqChunk", "SeqChunks", "batch_spec", "pack_batch",
-           "token_seq_ids"]
+__all__ = ["BatchMetadata", "SeqChunk", "SeqChunks", "batch_spec", "pack_batch"]

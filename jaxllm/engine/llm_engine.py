@@ -261,8 +261,8 @@ class LLMEngine:
         params = group.params
         banned = self._banned_ids(params) if seq.num_output_tokens < params.min_tokens else ()
         return SamplerInput(params=params, seed=seq.seed, step=seq.num_output_tokens,
-                          banned_ids=banned, token_ids=seq.token_ids,
-                          num_prompt_tokens=seq.num_prompt_tokens)
+                            banned_ids=banned, token_ids=seq.token_ids,
+                            num_prompt_tokens=seq.num_prompt_tokens)
 
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.eos_token_ids
