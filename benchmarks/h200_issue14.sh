@@ -16,8 +16,8 @@
 # `wait` copies the results to $OUT: issue14_status.txt, issue14_results.tgz (JSONs, logs).
 #
 # Steps (expected time on two H200s; the chain skips a step that its budget cannot fit):
-#   s1 sharegpt-like 1000: jaxllm (GPU 0) | hf-tuned (GPU 1)                      ~13 min
-#   s2 random 512/128 1000: jaxllm (GPU 0) | hf-tuned (GPU 1)                     ~3.5 min
+#   s1 sharegpt-like 1000: hf-tuned (GPU 1, ~12.5 min) | jaxllm (GPU 0, ~2.5 min), then
+#   s2 random 512/128 1000: jaxllm, then hf-tuned (GPU 0, ~4 min)                  ~13 min
 #   s3 random 512/128 1000: hf-cb (GPU 0) | hf, vLLM-style (GPU 1)                ~5 min
 #   s4 sharegpt-like, first 256 prompts: hf-cb (GPU 0) | jaxllm then hf (GPU 1)   ~4 min
 #   s5 sharegpt-like 1000: hf-cb alone (GPU 0)                                    ~6 min
@@ -55,7 +55,7 @@ throughput() {
   setsid timeout "$secs" $PY -m jaxllm.benchmarks throughput --model "$MODEL" --load-format \
     dummy --dtype "$DTYPE" --no-progress --hf-python "$HF_PYTHON" --hf-tuned-cache \
     "$HF_TUNED_CACHE" $ENGINE "$@" --output-json "$DIR/$name.json" > "$DIR/$name.log" 2>&1 &
-  local pid=$!; echo $pid > "$DIR/step.pid"
+  local pid=$!; echo $pid > "$DIR/$name.pid"
   wait $pid; local rc=$?
   kill -- -$pid 2>/dev/null  # whatever of the step outlived it
   local why=""; [ $rc = 2 ] && why=" (token counts or arguments: see the log)"
@@ -70,26 +70,31 @@ step() {
   local left=$(( BUDGET - SECONDS ))
   if (( left < needs )); then echo "$name skipped: ${left}s of budget left, needs $needs" \
     >> "$DIR/steps.txt"; return 0; fi
-  throughput "$name" $(( limit < left ? limit : left )) "$@" || FAILED=1
+  throughput "$name" $(( limit < left ? limit : left )) "$@" || touch "$DIR/failed"
 }
 
 chain() {
-  SECONDS=0; FAILED=0
+  SECONDS=0; rm -f "$DIR/failed"
   # shellcheck disable=SC2086
   {
     # sharegpt-like lengths vary (4..1024 each way): a static cache would hold every row at the
     # run's longest 2048 tokens, so hf-tuned keeps the dynamic cache there (sorted, sdpa). It
-    # needed 730 s of one GPU on 2026-11-30 (600 s killed it): 900 s, spanning two calls.
-    step s1_sharegpt 240 900 $SHAREGPT --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,1 \
-      --hf-tuned-cache dynamic
-    step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,1
+    # needed 730 s of one GPU on 2026-11-30 (600 s killed it), so it has GPU 1 to itself for
+    # 900 s while GPU 0 runs jaxllm on the same prompts and then both backends, one after the
+    # other, on random 512/128: one backend per GPU at any time.
+    step s1_sharegpt_hf-tuned 240 900 $SHAREGPT --num-prompts "$N" --backend hf-tuned \
+      --devices 1 --hf-tuned-cache dynamic &
+    step s1_sharegpt_jaxllm 120 420 $SHAREGPT --num-prompts "$N" --backend jaxllm --devices 0
+    step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,0
+    wait
     step s3_random 240 480 $RANDOM_WL --num-prompts "$N" --backend hf-cb,hf --devices 0,1
     step "s4_sharegpt_${N_SMALL}prompts" 200 420 $SHAREGPT --num-prompts "$N_SMALL" \
       --backend hf-cb,jaxllm,hf --devices 0,1,1
     step s5_sharegpt 330 600 $SHAREGPT --num-prompts "$N" --backend hf-cb --devices 0
   }
-  echo "chain done in ${SECONDS}s, failed=$FAILED" >> "$DIR/steps.txt"
-  echo $FAILED > "$DIR/done"
+  local failed=0; [ -f "$DIR/failed" ] && failed=1
+  echo "chain done in ${SECONDS}s, failed=$failed" >> "$DIR/steps.txt"
+  echo $failed > "$DIR/done"
 }
 
 status() {
@@ -150,7 +155,8 @@ case $CMD in
     mkdir -p "$OUT"; status | tee "$OUT/issue14_status.txt"
     tar -C "$DIR" -czf "$OUT/issue14_results.tgz" --exclude=out . 2>/dev/null
     if [ -f "$DIR/done" ]; then exit "$(cat "$DIR/done")"; fi; echo "chain still running" ;;
-  stop)  # the chain, then the step it was running (its own process group)
-    kill -- -"$(cat "$DIR/chain.pid")"; kill -- -"$(cat "$DIR/step.pid")"; echo stopped ;;
+  stop)  # the chain, then the steps it was running (each its own process group)
+    kill -- -"$(cat "$DIR/chain.pid")"
+    for pid in "$DIR"/s*.pid; do kill -- -"$(cat "$pid")" 2>/dev/null; done; echo stopped ;;
   *) echo "usage: $0 start|wait SECONDS|status|stop"; exit 2 ;;
 esac
