@@ -30,7 +30,8 @@
 #   N_SMALL (256), SHAREGPT_WORKLOAD ("--dataset-name sharegpt-like"), RANDOM_WORKLOAD
 #   ("--dataset-name random --input-len 512 --output-len 128"), ENGINE (the engine flags of
 #   the earlier H200 runs), HF_TUNED_CACHE (auto), BUDGET (seconds of chain time, 1500), DIR
-#   (/tmp/issue14).
+#   (/tmp/issue14), GPUS (2; 1 runs s1 and s2 one backend after the other on one GPU, ~19 min,
+#   and skips the rest).
 set -o pipefail
 CMD=${1:-status}; LIMIT=${2:-540}
 DIR=${DIR:-/tmp/issue14}; OUT=${OUT:-$DIR/out}
@@ -39,7 +40,7 @@ N=${N:-1000}; N_SMALL=${N_SMALL:-256}; BUDGET=${BUDGET:-1500}
 SHAREGPT=${SHAREGPT_WORKLOAD:---dataset-name sharegpt-like}
 RANDOM_WL=${RANDOM_WORKLOAD:---dataset-name random --input-len 512 --output-len 128}
 ENGINE=${ENGINE:---max-num-seqs 256 --max-num-batched-tokens 2048 --num-gpu-blocks-override 48000 --unroll-layers}
-HF_TUNED_CACHE=${HF_TUNED_CACHE:-auto}
+HF_TUNED_CACHE=${HF_TUNED_CACHE:-auto}; GPUS=${GPUS:-2}
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -82,11 +83,19 @@ chain() {
     # needed 730 s of one GPU on 2026-11-30 (600 s killed it), so it has GPU 1 to itself for
     # 900 s while GPU 0 runs jaxllm on the same prompts and then both backends, one after the
     # other, on random 512/128: one backend per GPU at any time.
-    step s1_sharegpt_hf-tuned 240 900 $SHAREGPT --num-prompts "$N" --backend hf-tuned \
-      --devices 1 --hf-tuned-cache dynamic &
-    step s1_sharegpt_jaxllm 120 420 $SHAREGPT --num-prompts "$N" --backend jaxllm --devices 0
-    step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned --devices 0,0
-    wait
+    if [ "$GPUS" = 1 ]; then  # one backend after the other on the one GPU
+      step s1_sharegpt 240 1080 $SHAREGPT --num-prompts "$N" --backend jaxllm,hf-tuned \
+        --hf-tuned-cache dynamic
+      step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned
+    else
+      step s1_sharegpt_hf-tuned 240 900 $SHAREGPT --num-prompts "$N" --backend hf-tuned \
+        --devices 1 --hf-tuned-cache dynamic &
+      step s1_sharegpt_jaxllm 120 420 $SHAREGPT --num-prompts "$N" --backend jaxllm --devices 0
+      step s2_random 150 480 $RANDOM_WL --num-prompts "$N" --backend jaxllm,hf-tuned \
+        --devices 0,0
+      wait
+    fi
+    [ "$GPUS" = 1 ] && BUDGET=0  # the extras below need two GPUs
     step s3_random 240 480 $RANDOM_WL --num-prompts "$N" --backend hf-cb,hf --devices 0,1
     step "s4_sharegpt_${N_SMALL}prompts" 200 420 $SHAREGPT --num-prompts "$N_SMALL" \
       --backend hf-cb,jaxllm,hf --devices 0,1,1
