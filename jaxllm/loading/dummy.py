@@ -1,29 +1,82 @@
-"""``load_format="dummy"``: random weights of a config's real shape, made on the device.
+"""``load_format="dummy"``: random weights of a config's real shape, made on the device(s).
 
 As in vLLM, every value is uniform in [-1e-3, 1e-3]: good for timing, meaningless as text.
 """
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from jaxllm.loading.assemble import qkv_columns
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import param_shapes
 
 DUMMY_RANGE = 1e-3
 
 
-def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0) -> Any:
+def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
+                 unroll_layers: bool = False,
+                 shardings: Callable[[Any], Any] | None = None,
+                 checkpoint: ModelConfig | None = None) -> Any:
+    """Random params in the layout ``unroll_layers`` picks (a layer's values are the same in
+    either); with ``shardings`` (shapes -> NamedShardings) each device makes only its shard.
+    ``checkpoint``: the config before tensor parallelism replicated KV heads; the values are
+    then made for it and its K/V columns copied, so that every parallel size runs the same
+    model (made whole on one device first: only models with fewer KV heads than devices)."""
+    if checkpoint is not None and checkpoint != config:
+        params = dummy_params(checkpoint, dtype, seed, unroll_layers=unroll_layers)
+        params = _replicate_kv_heads(params, checkpoint, config)
+        return params if shardings is None else jax.device_put(
+            params, shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                           params)))
     shapes = param_shapes(config, dtype)
-    leaves, treedef = jax.tree.flatten(shapes)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    if unroll_layers:
+        layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
+                             shapes["layers"])
+        shapes = {**shapes, "layers": (layer,) * config.num_hidden_layers}
+    placements = (jax.tree.map(lambda _: None, shapes) if shardings is None
+                  else shardings(shapes))
+    root = jax.random.key(seed)
 
-    # One jitted call per leaf keeps peak memory at the weights themselves (no f32 staging).
-    def make(key, leaf):
-        return jax.jit(lambda k: jax.random.uniform(
-            k, leaf.shape, leaf.dtype, -DUMMY_RANGE, DUMMY_RANGE))(key)
+    def uniform(key, shape, dtype):
+        return jax.random.uniform(key, shape, dtype, -DUMMY_RANGE, DUMMY_RANGE)
 
-    made = [make(key, leaf) for key, leaf in zip(keys, leaves, strict=True)]
-    return jax.tree.unflatten(treedef, made)
+    # Keyed by the leaf's name and layer, not its place in the tree. One jitted call per leaf
+    # keeps peak memory at the weights themselves (no f32 staging).
+    def make(path, leaf, sharding):
+        names = [str(getattr(k, "key", "")) for k in path]
+        key = jax.random.fold_in(root, zlib.crc32("/".join(n for n in names if n).encode()))
+        layer = getattr(path[1], "idx", None) if len(path) > 1 else None
+        stacked = names[0] == "layers" and layer is None
+
+        def values(k):
+            if layer is not None:
+                return uniform(jax.random.fold_in(k, layer), leaf.shape, leaf.dtype)
+            if stacked:
+                return jnp.stack([uniform(jax.random.fold_in(k, i), leaf.shape[1:], leaf.dtype)
+                                  for i in range(leaf.shape[0])])
+            return uniform(k, leaf.shape, leaf.dtype)
+
+        return jax.jit(values, out_shardings=sharding)(key)
+
+    return jax.tree_util.tree_map_with_path(make, shapes, placements)
+
+
+def _replicate_kv_heads(params: Any, checkpoint: ModelConfig, config: ModelConfig) -> Any:
+    """``qkv_proj`` columns laid out for ``config``'s replicated KV heads, copied from the
+    ``checkpoint`` layout's columns."""
+    old_parts, old_rows = qkv_columns(checkpoint, checkpoint)
+    old = {(int(p), int(r)): c for c, (p, r) in enumerate(zip(old_parts, old_rows, strict=True))}
+    parts, rows = qkv_columns(checkpoint, config)
+    index = jnp.asarray([old[int(p), int(r)] for p, r in zip(parts, rows, strict=True)])
+
+    def expand(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        return jnp.take(leaf, index, axis=-1) if "qkv_proj" in names else leaf
+
+    return jax.tree_util.tree_map_with_path(expand, params)

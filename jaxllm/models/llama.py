@@ -15,13 +15,19 @@ Param tree (scanned: stacked leading axis L under "layers"; kernels are [in, out
 
     embed_tokens/embedding                  [V, H]
     layers/input_layernorm/scale            [L, H]
-    layers/attn/qkv_proj/kernel             [L, H, (Hq + 2 Hkv) D]     (+ bias for Qwen2)
+    layers/attn/qkv_proj/kernel             [L, H, Hkv (G + 2) D]      (+ bias for Qwen2)
     layers/attn/o_proj/kernel               [L, Hq D, H]
     layers/post_attention_layernorm/scale   [L, H]
-    layers/mlp/gate_up_proj/kernel          [L, H, 2 F]
+    layers/mlp/gate_up_proj/kernel          [L, H, F 2]
     layers/mlp/down_proj/kernel             [L, F, H]
     norm/scale                              [H]
     lm_head/kernel                          [H, V]                      (absent when tied)
+
+The fused projections' output columns are ordered so that any contiguous split of them is a
+set of whole heads (the tensor-parallel split, :mod:`jaxllm.parallel`, is then the same at
+every size): ``qkv_proj`` groups by KV head j, each group the G = Hq / Hkv query heads that
+read head j, then k_j, then v_j; ``gate_up_proj`` interleaves (gate_i, up_i) pairs. The
+loaders build these orders from Hugging Face's separate projections.
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
-from jaxllm.attention import paged_attention
+from jaxllm.attention import write_kv_and_attend
 from jaxllm.batch import BatchMetadata, pack_batch
-from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool, write_kv
+from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 
@@ -58,21 +65,23 @@ class Attention(nn.Module):
     config: ModelConfig
     dtype: Dtype
     backend: str
+    mesh: Mesh | None
 
     @nn.compact
     def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
         cfg = self.config
         dense = lambda n, bias, name: nn.Dense(
             n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        kv_heads = cfg.num_key_value_heads
+        group = cfg.num_attention_heads // kv_heads
         qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
-        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-        q = q.reshape(-1, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)  # [T, Hkv, D]
+        qkv = qkv.reshape(-1, kv_heads, group + 2, cfg.head_dim)  # [T, Hkv, G + 2, D]
+        q = qkv[:, :, :group].reshape(-1, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
+        k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, D] each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv_pool = write_kv(kv_pool, layer, batch.slot_mapping, k, v)
-        out = paged_attention(q, kv_pool, layer, batch, scale=cfg.head_dim ** -0.5,
-                              sliding_window=cfg.sliding_window, backend=self.backend)
+        out, kv_pool = write_kv_and_attend(
+            q, k, v, kv_pool, layer, batch, scale=cfg.head_dim ** -0.5,
+            sliding_window=cfg.sliding_window, backend=self.backend, mesh=self.mesh)
         out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
         return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
 
@@ -85,8 +94,8 @@ class MLP(nn.Module):
     def __call__(self, x):
         f = self.config.intermediate_size
         gate_up = nn.Dense(2 * f, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                           name="gate_up_proj")(x)
-        gate, up = gate_up[..., :f], gate_up[..., f:]
+                           name="gate_up_proj")(x).reshape(-1, f, 2)  # [T, F, (gate, up)]
+        gate, up = gate_up[..., 0], gate_up[..., 1]
         return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype,
                         param_dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
 
@@ -95,14 +104,15 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Dtype
     backend: str
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, carry, cos, sin, batch: BatchMetadata):
         hidden, kv_pool, layer = carry
         eps = self.config.rms_norm_eps
         attn_in = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
-        attn_out, kv_pool = Attention(self.config, self.dtype, self.backend, name="attn")(
-            attn_in, kv_pool, layer, cos, sin, batch)
+        attention = Attention(self.config, self.dtype, self.backend, self.mesh, name="attn")
+        attn_out, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch)
         hidden = hidden + attn_out
         mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
         hidden = hidden + MLP(self.config, self.dtype, name="mlp")(mlp_in)
@@ -116,6 +126,7 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
+    mesh: Mesh | None = None  # tensor parallel: the params' and pool's mesh
 
     @nn.compact
     def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata):
@@ -136,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         if unrolled:
             # Each layer is layer 0 of its own one-layer pool, with its own params' tree.
             layers = self.variables["params"]["layers"]
-            layer = DecoderLayer(cfg, self.dtype, self.attention_backend)
+            layer = DecoderLayer(cfg, self.dtype, self.attention_backend, self.mesh)
             for i in range(cfg.num_hidden_layers):
                 (hidden, pool, _), _ = layer.apply(
                     {"params": layers[i]}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
@@ -149,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.num_hidden_layers,
-            )(cfg, self.dtype, self.attention_backend, name="layers")
+            )(cfg, self.dtype, self.attention_backend, self.mesh, name="layers")
             (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
         hidden = hidden[batch.logits_indices]  # [N, H]: the LM head runs only where needed
         hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hidden)
@@ -165,11 +176,13 @@ ForwardFn = Callable[[Any, AnyKVPool, BatchMetadata], tuple[jax.Array, AnyKVPool
 
 
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
-                 attention_backend: str = "auto") -> ForwardFn:
+                 attention_backend: str = "auto", mesh: Mesh | None = None) -> ForwardFn:
     """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the
     layers are scanned for stacked params and unrolled for per-layer params (the pool's
-    layout must match: see the module docstring)."""
-    model = LlamaForCausalLM(config, dtype, attention_backend)
+    layout must match: see the module docstring). With ``mesh`` (tensor parallel), params and
+    pool are sharded over it (:mod:`jaxllm.parallel`) and attention runs per shard; the
+    logits come back split by vocabulary when the LM head is."""
+    model = LlamaForCausalLM(config, dtype, attention_backend, mesh)
 
     def forward(params, kv_pool: AnyKVPool, batch: BatchMetadata):
         return model.apply({"params": params}, kv_pool, batch)

@@ -1,0 +1,17 @@
+"""Tensor parallelism over one ``jax.sharding.Mesh``: the mesh, the partition-spec table of
+the params and the KV pool, and the checks a tensor-parallel size must pass. The model code is
+the same at every parallel size: sharded arrays plus XLA's collectives do the rest, and the
+attention kernels run per shard under ``jax.shard_map`` (:mod:`jaxllm.attention`)."""
+
+from jaxllm.parallel.mesh import MESH_AXES, TP_AXIS, make_mesh, mesh_of, tensor_parallel_size
+from jaxllm.parallel.sharding import (
+    check_tensor_parallel,
+    kv_pool_shardings,
+    param_shardings,
+    replicated,
+    tensor_parallel_config,
+)
+
+__all__ = ["MESH_AXES", "TP_AXIS", "check_tensor_parallel", "kv_pool_shardings", "make_mesh",
+           "mesh_of", "param_shardings", "replicated", "tensor_parallel_config",
+           "tensor_parallel_size"]

@@ -1,0 +1,116 @@
+"""Where every array lives on the mesh: a partition-spec table keyed by param name, the KV
+pool's spec, and the checks a tensor-parallel size must pass (before any weight is read).
+
+Megatron-style split of the Llama family (the column orders of the fused projections in
+:mod:`jaxllm.models.llama` make a contiguous split give each device whole heads):
+
+    embed_tokens/embedding     [V, H]            vocabulary split (rows)
+    attn/qkv_proj/kernel       [H, Hkv (G+2) D]  output split: each device its KV heads and
+                                                 their G query heads
+    attn/o_proj/kernel         [Hq D, H]         input split, all-reduce after
+    mlp/gate_up_proj/kernel    [H, 2 F]          output split: (gate, up) pairs of F
+    mlp/down_proj/kernel       [F, H]            input split, all-reduce after
+    lm_head/kernel             [H, V]            vocabulary split (columns)
+    norms                                        replicated
+
+Stacked layers add a leading layer axis, never split. The KV pool [L, blocks, block_size, Hkv,
+D] is split by KV head: every device holds its heads' pages of every block, so one block table
+serves all devices and the block manager never sees the mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxllm.model_config import ModelConfig
+from jaxllm.parallel.mesh import TP_AXIS
+
+# (module, leaf) -> spec of the leaf's trailing axes; absent: replicated.
+_PARAM_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
+    ("embed_tokens", "embedding"): (TP_AXIS, None),
+    ("qkv_proj", "kernel"): (None, TP_AXIS),
+    ("qkv_proj", "bias"): (TP_AXIS,),
+    ("o_proj", "kernel"): (TP_AXIS, None),
+    ("gate_up_proj", "kernel"): (None, TP_AXIS),
+    ("down_proj", "kernel"): (TP_AXIS, None),
+    ("lm_head", "kernel"): (None, TP_AXIS),
+}
+_VOCAB_SPLIT = {("embed_tokens", "embedding"), ("lm_head", "kernel")}
+KV_HEAD_AXIS = 3  # of a pool array [L, blocks, block_size, Hkv, D]
+
+
+def check_tensor_parallel(config: ModelConfig, size: int, num_devices: int) -> None:
+    """Raises ValueError naming ``--tensor-parallel-size`` when ``size`` cannot shard
+    ``config`` over the visible devices (the same rules as vLLM)."""
+    flag = f"--tensor-parallel-size {size}"
+    if size < 1:
+        raise ValueError(f"{flag}: must be >= 1")
+    if size > num_devices:
+        raise ValueError(f"{flag} exceeds the {num_devices} visible device(s)")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size:
+        raise ValueError(
+            f"{flag}: the model's {heads} attention heads must be divisible by the "
+            f"tensor-parallel size (each device computes whole heads)")
+    if size <= kv_heads and kv_heads % size:
+        raise ValueError(
+            f"{flag}: the model's {kv_heads} KV heads must be divisible by the "
+            "tensor-parallel size")
+    if size > kv_heads and size % kv_heads:
+        raise ValueError(
+            f"{flag}: larger than the model's {kv_heads} KV heads, so it must be a multiple of "
+            "them (each KV head is replicated on size / KV heads devices)")
+    if config.intermediate_size % size:
+        raise ValueError(
+            f"{flag}: the model's intermediate size {config.intermediate_size} must be "
+            "divisible by the tensor-parallel size")
+
+
+def tensor_parallel_config(config: ModelConfig, size: int) -> ModelConfig:
+    """``config`` as the sharded model sees it: with more devices than KV heads, every KV head
+    is replicated ``size / Hkv`` times (as vLLM does) so that each device holds one. The
+    loaders repeat the K/V projections to match (:func:`kv_head_source`); the pool holds one
+    head per device."""
+    check_tensor_parallel(config, size, num_devices=size)
+    if size <= config.num_key_value_heads:
+        return config
+    return dataclasses.replace(config, num_key_value_heads=size)
+
+
+def kv_head_source(config: ModelConfig, checkpoint_kv_heads: int) -> list[int]:
+    """For each KV head of ``config`` (possibly replicated), the checkpoint's head it copies."""
+    repeat = config.num_key_value_heads // checkpoint_kv_heads
+    return [head // repeat for head in range(config.num_key_value_heads)]
+
+
+def _leaf_spec(path: tuple, ndim: int, vocab_split: bool) -> PartitionSpec:
+    names = [getattr(k, "key", None) for k in path]
+    key = (names[-2], names[-1]) if len(names) >= 2 else (None, None)
+    trailing = _PARAM_SPECS.get(key, ())
+    if key in _VOCAB_SPLIT and not vocab_split:
+        trailing = ()
+    return PartitionSpec(*([None] * (ndim - len(trailing))), *trailing)
+
+
+def param_shardings(params: Any, mesh: Mesh, config: ModelConfig) -> Any:
+    """A NamedSharding for every leaf of ``params`` (arrays or ShapeDtypeStructs, stacked or
+    per-layer). A vocabulary the mesh cannot split evenly keeps the embedding and LM head
+    replicated."""
+    vocab_split = config.vocab_size % mesh.shape[TP_AXIS] == 0
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, _leaf_spec(path, len(leaf.shape), vocab_split)),
+        params)
+
+
+def kv_pool_shardings(pool: Any, mesh: Mesh) -> Any:
+    """The pool (either layout) split by KV head."""
+    spec = PartitionSpec(*([None] * KV_HEAD_AXIS), TP_AXIS, None)
+    return jax.tree.map(lambda _: NamedSharding(mesh, spec), pool)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
