@@ -15,11 +15,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxllm.batch import SeqChunks, pack_batch
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
+from jaxllm.parallel import kv_pool_shardings, mesh_of
 from jaxllm.sampling import SampleVariant, SamplingMetadata, sample, scalar_variant
 
 
@@ -39,24 +41,26 @@ def _static_sampler_variant(jitted):
     defaults = {k: p.default for k, p in inspect.signature(jitted).parameters.items()
                 if k in names}
 
-    def prepare(kwargs: dict) -> dict:
+    def prepare(args: tuple, kwargs: dict) -> dict:
         if isinstance(kwargs.get("seed"), numbers.Integral):
             kwargs = kwargs | {"seed": np.uint32(int(kwargs["seed"]) & 0xFFFFFFFF)}
         settings = defaults | {k: v for k, v in kwargs.items() if k in names}
+        if "mesh" not in kwargs:  # sharded params (tensor parallel) bring their mesh
+            kwargs = kwargs | {"mesh": mesh_of(args[0] if args else kwargs.get("params"))}
         return kwargs | {"variant": scalar_variant(**settings)}
 
     @functools.wraps(jitted)
     def call(*args, **kwargs):
-        return jitted(*args, **prepare(kwargs))
+        return jitted(*args, **prepare(args, kwargs))
 
-    call.lower = lambda *args, **kwargs: jitted.lower(*args, **prepare(kwargs))
+    call.lower = lambda *args, **kwargs: jitted.lower(*args, **prepare(args, kwargs))
     return call
 
 
 @_static_sampler_variant
 @functools.partial(jax.jit, static_argnames=(
     "config", "max_new_tokens", "eos_token_ids", "block_size", "pad_token_id",
-    "attention_backend", "variant"))
+    "attention_backend", "variant", "mesh"))
 def generate(
     params: Any,
     prompt_ids: jax.Array,  # i32[B, P] right-padded
@@ -80,9 +84,14 @@ def generate(
     attention_backend: str = "auto",
     row_max_new_tokens: jax.Array | None = None,  # i32[B], each in 1..max_new_tokens
     variant: SampleVariant | None = None,  # static; chosen by the wrapper, None = general
+    mesh: Mesh | None = None,  # static; the sharded params' mesh, found by the wrapper
 ) -> GenerateOutput:
     """Generates up to ``max_new_tokens`` per row (or ``row_max_new_tokens[b]`` for row b: one
     compiled program then serves many output lengths); a row stops after emitting an EOS id.
+
+    Params sharded for tensor parallelism (``load_model(..., tensor_parallel_size=N)``,
+    :meth:`~jaxllm.LoadedModel.with_tensor_parallel`) run sharded, with the pool split by KV
+    head on their mesh, and ``config`` the model's (KV heads as replicated for the mesh).
 
     Sampling is the engine's (``jaxllm.sampling.sample``), with vLLM's meaning for each
     setting: the same prompt, seed and settings draw the same tokens as ``LLM.generate`` or the
@@ -102,13 +111,15 @@ def generate(
     """
     batch_size, prompt_width = prompt_ids.shape
     dtype = jax.tree.leaves(params)[0].dtype
-    forward = make_forward(config, dtype, attention_backend)
+    forward = make_forward(config, dtype, attention_backend, mesh)
     width = -(-(prompt_width + max_new_tokens) // block_size)
     tables = 1 + jnp.arange(batch_size * width, dtype=jnp.int32).reshape(batch_size, width)
     # Params laid out per layer (LoadedModel.with_layer_layout) run the unrolled stack over a
     # per-layer pool, as the engine does with unroll_layers; stacked params run the scan.
     kv_pool = new_kv_pool(config, 1 + batch_size * width, block_size, dtype,
                           unroll_layers=has_per_layer_params(params))
+    if mesh is not None:
+        kv_pool = jax.lax.with_sharding_constraint(kv_pool, kv_pool_shardings(kv_pool, mesh))
     lens = prompt_lens.astype(jnp.int32)
     as_rows = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (batch_size,))
     variant = variant or SampleVariant()

@@ -2,8 +2,8 @@
 :class:`~jaxllm.engine.engine_config.EngineConfig` (engine) and :class:`ServerConfig` (HTTP
 front end).
 
-Values jaxllm cannot honour yet (``--tensor-parallel-size 2``, ``--quantization awq`` ...) fail
-here, before anything is loaded, with a message that says what is supported.
+Values jaxllm cannot honour yet (``--pipeline-parallel-size 2``, ``--quantization awq`` ...)
+fail here, before anything is loaded, with a message that says what is supported.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     engine.add_argument("--quantization", "-q", default=None,
                         help="only None (or 'gguf' for a .gguf model, dequantized at load)")
-    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many local devices (attention heads, "
+                        "MLP and vocabulary split; the KV cache split by KV head)")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     return p
 
@@ -124,9 +126,6 @@ def configs_from_args(args: argparse.Namespace,
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
-    if args.tensor_parallel_size != 1:
-        raise ValueError(f"--tensor-parallel-size={args.tensor_parallel_size} is not supported "
-                         "yet: jaxllm serves a model on one device (use 1)")
     if args.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size} is not "
                          "supported yet: jaxllm serves a model on one device (use 1)")
@@ -144,7 +143,7 @@ def configs_from_args(args: argparse.Namespace,
         gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
-        unroll_layers=args.unroll_layers,
+        unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
         disable_log_stats=args.disable_log_stats)

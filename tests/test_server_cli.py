@@ -41,6 +41,7 @@ def test_vllm_flags_map_onto_the_engine_config():
     # Unrolled layers: the engine decides by platform unless told either way.
     assert [configs(*flag)[0].unroll_layers for flag in
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
+    assert configs("-tp", "2")[0].tensor_parallel_size == 2
 
 
 def test_api_key_and_memory_monitor_come_from_the_environment():
@@ -50,7 +51,7 @@ def test_api_key_and_memory_monitor_come_from_the_environment():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size=2 is not supported yet"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size=0 must be >= 1"),
     (["-pp", "2"], "--pipeline-parallel-size=2 is not supported yet"),
     (["--quantization", "awq"], "--quantization=awq is not supported"),
     (["/models/llama", "-q", "gguf"], "--quantization=gguf is not supported"),
@@ -73,8 +74,10 @@ def test_server_config_validates(field, value):
 def test_jaxllm_serve_hands_over_to_python_m_serve():
     result = subprocess.run([sys.executable, "-m", "jaxllm", "serve", "-tp", "4"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "--tensor-parallel-size=4 is not supported yet" in result.stderr
+    # Refused before any weight is read: this machine has one device.
+    assert result.returncode == 1
+    assert "--tensor-parallel-size 4: must be between 1 and the number of visible devices" \
+        in result.stderr
     assert "Traceback" not in result.stderr
     help_text = subprocess.run([sys.executable, "-m", "jaxllm", "serve", "--help"], cwd=ROOT,
                                capture_output=True, text=True, timeout=120).stdout

@@ -49,6 +49,9 @@ class EngineConfig:
     # unrolled stack are slow, and its launch cost matters only on accelerators).
     unroll_layers: bool | None = None
     disable_log_stats: bool = False
+    # Shard the model over this many local devices (jaxllm.parallel): Megatron-style weights,
+    # the KV pool split by KV head. 1: one device.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -65,6 +68,8 @@ class EngineConfig:
              f"max_model_len={self.max_model_len} must be >= 2")
         need(0 < self.gpu_memory_utilization <= 1,
              f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        need(self.tensor_parallel_size >= 1,
+             f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         need(self.swap_space >= 0, f"swap_space={self.swap_space} must be >= 0 GiB")
         need(self.cpu_kv_cache_space > 0,
              f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 GiB")

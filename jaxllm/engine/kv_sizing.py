@@ -17,6 +17,7 @@ from jaxllm.batch import batch_spec, pack_batch
 from jaxllm.kv_pool import kv_block_bytes, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
+from jaxllm.parallel import kv_pool_shardings
 from jaxllm.sampling import build_sampling_metadata, sample
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
     """Temporary device memory of the jitted step at its largest shape (compiled, not run),
     for the model's layer layout."""
     cfg = model.config
-    forward = make_forward(cfg, model.dtype, attention_backend)
+    forward = make_forward(cfg, model.dtype, attention_backend, model.mesh)
 
     def step(params, kv_pool, batch, md):
         logits, kv_pool = forward(params, kv_pool, batch)
@@ -45,6 +46,9 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
 
     pool = jax.eval_shape(lambda: new_kv_pool(cfg, 2, 16, model.dtype,
                                               unroll_layers=model.unroll_layers))
+    if model.mesh is not None:  # per device: the pool split as the engine splits it
+        pool = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            pool, kv_pool_shardings(pool, model.mesh))
     batch = batch_spec(pack_batch([], 16, num_tokens=num_tokens, num_seqs=num_seqs,
                                   table_width=table_width, num_logits=num_seqs))
     md = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -60,8 +64,12 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
                    max_num_batched_tokens: int, attention_backend: str) -> KVPlan:
     per_block = kv_block_bytes(model.config, block_size, model.dtype)
     useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
-    num_cpu = min(int(swap_space * GiB) // per_block, useful)
-    device = jax.devices()[0]
+    num_cpu = min(int(swap_space * GiB) // per_block, useful)  # the host holds whole blocks
+    # Tensor parallel: each device holds its KV heads' share of every block, and its own
+    # weights' share; the first device stands for all (their shares are equal).
+    tp = model.tensor_parallel_size
+    device_block = per_block // tp
+    device = model.mesh.devices.flat[0] if model.mesh is not None else jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if num_gpu_blocks_override is not None:
         num_gpu = num_gpu_blocks_override
@@ -77,12 +85,12 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
                                        min(max_num_seqs, max_num_batched_tokens),
                                        -(-max_model_len // block_size), attention_backend)
         kv_bytes = budget - in_use - activations
-        if kv_bytes < 2 * per_block:
+        if kv_bytes < 2 * device_block:
             raise ValueError(
                 "No available memory for the cache blocks. Try increasing "
                 f"gpu_memory_utilization (now {gpu_memory_utilization}) or lowering "
                 "max_num_batched_tokens.")
-        num_gpu = int(min(kv_bytes // per_block, useful))
+        num_gpu = int(min(kv_bytes // device_block, useful))
         report = (f"total device memory {total / GiB:.2f} GiB x gpu_memory_utilization "
                   f"({gpu_memory_utilization:.2f}) = {budget / GiB:.2f} GiB; model weights "
                   f"and buffers take {in_use / GiB:.2f} GiB; activation peak takes "
@@ -91,8 +99,10 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     else:
         num_gpu = int(min(cpu_kv_cache_space * GiB // per_block, useful))
         report = f"CPU KV cache space {cpu_kv_cache_space:.2f} GiB"
+    per_device = f" per device, over {tp} devices" if tp > 1 else ""
     report += (f"; # KV blocks: {num_gpu} ({(num_gpu - 1) * block_size} tokens, "
-               f"{per_block / (1 << 20):.2f} MiB each), # swap blocks: {num_cpu}; maximum "
+               f"{device_block / (1 << 20):.2f} MiB each{per_device}), # swap blocks: "
+               f"{num_cpu}; maximum "
                f"concurrency for {max_model_len} tokens per request: "
                f"{(num_gpu - 1) * block_size / max_model_len:.2f}x")
     return KVPlan(num_gpu, num_cpu, per_block, report)

@@ -77,9 +77,12 @@ class LLMEngine:
                                                                     jax.default_backend()))
         if model is None:
             model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                               seed=config.seed, unroll_layers=config.unroll_layers)
-        # A caller's model keeps its own layout: the engine works on a re-laid-out copy.
-        model = model.with_layer_layout(config.unroll_layers)
+                               seed=config.seed, unroll_layers=config.unroll_layers,
+                               tensor_parallel_size=config.tensor_parallel_size)
+        # A caller's model keeps its own layout: the engine works on a re-laid-out (and, for
+        # tensor parallelism, sharded) copy.
+        model = model.with_tensor_parallel(config.tensor_parallel_size).with_layer_layout(
+            config.unroll_layers)
         self.model = model
         self.tokenizer = model.tokenizer
         model_len = model.config.max_position_embeddings

@@ -25,6 +25,7 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.kv_pool import copy_blocks, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
+from jaxllm.parallel import kv_pool_shardings, logits_sharding
 from jaxllm.sampling import (
     SamplerInput,
     SamplerOutput,
@@ -86,17 +87,29 @@ class ModelRunner:
         self.buckets = BucketSpec.build(max_num_seqs, max_num_batched_tokens,
                                         self.max_blocks_per_seq, bucket_table_width)
         cfg = self.config
+        mesh = model.mesh  # tensor parallel: the pool is split by KV head over it
+
         # The pool's layout follows the params' (scanned or unrolled layer stack).
-        self.kv_pool = new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
-                                   unroll_layers=model.unroll_layers)
+        def zeroed_pool():
+            return new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
+                               unroll_layers=model.unroll_layers)
+
+        shapes = jax.eval_shape(zeroed_pool)
+        # Every program that returns the pool pins its sharding (made in place, never whole
+        # on one device).
+        self._pool_out = {} if mesh is None else {
+            "out_shardings": kv_pool_shardings(shapes, mesh)}
+        self._logits_sharding = None if mesh is None else logits_sharding(mesh, cfg)
+        self._new_pool = jax.jit(zeroed_pool, **self._pool_out)
+        self.kv_pool = self._new_pool()
         # Executables are compiled against the pool's shapes, also while warm-up frees it.
-        self._pool_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                       self.kv_pool)
+        self._pool_spec = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
         self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
         self._host_v: np.ndarray | None = None
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        forward = make_forward(cfg, model.dtype, attention_backend)
+        forward = make_forward(cfg, model.dtype, attention_backend, mesh)
         self.max_rows = self.buckets.batch_sizes[-1]
 
         def forward_after(params, kv_pool, batch, prev_tokens, prev_rows):
@@ -104,7 +117,12 @@ class ModelRunner:
             # host marks where they go (prev_rows >= 0) and they are filled in here.
             ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
                             batch.input_ids)
-            return forward(params, kv_pool, batch.replace(input_ids=ids))
+            logits, kv_pool = forward(params, kv_pool, batch.replace(input_ids=ids))
+            if mesh is not None:  # what the sampler and the next step were compiled for
+                kv_pool = jax.lax.with_sharding_constraint(
+                    kv_pool, self._pool_out["out_shardings"])
+                logits = jax.lax.with_sharding_constraint(logits, self._logits_sharding)
+            return logits, kv_pool
 
         def sample_padded(logits, md, **variant):
             out = sample(logits, md, **variant)
@@ -122,9 +140,9 @@ class ModelRunner:
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
         self._compile_lock = threading.Lock()
-        self._copy = jax.jit(copy_blocks, donate_argnums=(0,))
+        self._copy = jax.jit(copy_blocks, donate_argnums=(0,), **self._pool_out)
         self._write_blocks = jax.jit(lambda pool, ids, k, v: pool.write_blocks(ids, k, v),
-                                     donate_argnums=(0,))
+                                     donate_argnums=(0,), **self._pool_out)
         self._read_blocks = jax.jit(lambda pool, ids: pool.read_blocks(ids))
         self.num_steps = 0
 
@@ -151,7 +169,7 @@ class ModelRunner:
                 unit="graph") as bar:
             for _ in pool.map(lambda job: job[0](job[1]), jobs):
                 bar.update(1)
-        self.kv_pool = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self._pool_spec)
+        self.kv_pool = self._new_pool()
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
             self.kv_pool = self._copy(self.kv_pool, ids, ids)
@@ -178,7 +196,8 @@ class ModelRunner:
         exe = self._sample_exe.get(key)
         if exe is None:
             rows, width, variant = key
-            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32)
+            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32,
+                                          sharding=self._logits_sharding)
             md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
             exe = self._sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe

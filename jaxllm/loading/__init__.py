@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.loading.assemble import assemble_params
+from jaxllm.loading.assemble import assemble_params, replicate_kv_heads
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
@@ -69,6 +69,23 @@ class LoadedModel:
         params = (unstack_layer_params(self.params, donate=donate) if unroll_layers
                   else stack_layer_params(self.params))
         return dataclasses.replace(self, params=params)
+
+
+    def with_tensor_parallel(self, size: int) -> LoadedModel:
+        """This (unsharded) model sharded over a mesh of the first ``size`` local devices, as
+        ``load_model(..., tensor_parallel_size=size)`` would load it: for a model already in
+        memory (research code, tests). Raises ValueError for a size the model cannot take."""
+        if size == self.tensor_parallel_size:
+            return self
+        if self.mesh is not None:
+            raise ValueError(f"this model is already sharded over {self.tensor_parallel_size} "
+                             "devices; load it again for another tensor-parallel size")
+        check_tensor_parallel_devices(size)
+        check_tensor_parallel(self.config, size, len(jax.local_devices()))
+        config, mesh = tensor_parallel_config(self.config, size), make_mesh(size)
+        params = replicate_kv_heads(self.params, self.config, config)
+        params = jax.device_put(params, param_shardings(params, mesh, config))
+        return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
 
 def default_model_path() -> str:

@@ -76,6 +76,23 @@ def qkv_columns(checkpoint: ModelConfig, config: ModelConfig) -> tuple[np.ndarra
     return np.asarray(parts), np.asarray(rows)
 
 
+def replicate_kv_heads(params: Any, checkpoint: ModelConfig, config: ModelConfig) -> Any:
+    """``qkv_proj`` columns laid out for ``config``'s replicated KV heads, copied from the
+    ``checkpoint`` layout's columns."""
+    if config.num_key_value_heads == checkpoint.num_key_value_heads:
+        return params
+    old_parts, old_rows = qkv_columns(checkpoint, checkpoint)
+    old = {(int(p), int(r)): c for c, (p, r) in enumerate(zip(old_parts, old_rows, strict=True))}
+    parts, rows = qkv_columns(checkpoint, config)
+    index = jnp.asarray([old[int(p), int(r)] for p, r in zip(parts, rows, strict=True)])
+
+    def expand(path, leaf):
+        names = [getattr(k, "key", None) for k in path]
+        return jnp.take(leaf, index, axis=-1) if "qkv_proj" in names else leaf
+
+    return jax.tree_util.tree_map_with_path(expand, params)
+
+
 def gate_up_columns(intermediate_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``gate_up_proj``'s columns: (gate_i, up_i) pairs."""
     return np.tile([0, 1], intermediate_size), np.repeat(np.arange(intermediate_size), 2)

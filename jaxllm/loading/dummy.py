@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxllm.loading.assemble import qkv_columns
+from jaxllm.loading.assemble import replicate_kv_heads
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import param_shapes
 
@@ -30,7 +30,7 @@ def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
     model (made whole on one device first: only models with fewer KV heads than devices)."""
     if checkpoint is not None and checkpoint != config:
         params = dummy_params(checkpoint, dtype, seed, unroll_layers=unroll_layers)
-        params = _replicate_kv_heads(params, checkpoint, config)
+        params = replicate_kv_heads(params, checkpoint, config)
         return params if shardings is None else jax.device_put(
             params, shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                            params)))
@@ -66,17 +66,3 @@ def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
 
     return jax.tree_util.tree_map_with_path(make, shapes, placements)
 
-
-def _replicate_kv_heads(params: Any, checkpoint: ModelConfig, config: ModelConfig) -> Any:
-    """``qkv_proj`` columns laid out for ``config``'s replicated KV heads, copied from the
-    ``checkpoint`` layout's columns."""
-    old_parts, old_rows = qkv_columns(checkpoint, checkpoint)
-    old = {(int(p), int(r)): c for c, (p, r) in enumerate(zip(old_parts, old_rows, strict=True))}
-    parts, rows = qkv_columns(checkpoint, config)
-    index = jnp.asarray([old[int(p), int(r)] for p, r in zip(parts, rows, strict=True)])
-
-    def expand(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        return jnp.take(leaf, index, axis=-1) if "qkv_proj" in names else leaf
-
-    return jax.tree_util.tree_map_with_path(expand, params)

@@ -7,11 +7,12 @@ from jaxllm.parallel.mesh import MESH_AXES, TP_AXIS, make_mesh, mesh_of, tensor_
 from jaxllm.parallel.sharding import (
     check_tensor_parallel,
     kv_pool_shardings,
+    logits_sharding,
     param_shardings,
     replicated,
     tensor_parallel_config,
 )
 
-__all__ = ["MESH_AXES", "TP_AXIS", "check_tensor_parallel", "kv_pool_shardings", "make_mesh",
-           "mesh_of", "param_shardings", "replicated", "tensor_parallel_config",
+__all__ = ["MESH_AXES", "TP_AXIS", "check_tensor_parallel", "kv_pool_shardings", "logits_sharding",
+           "make_mesh", "mesh_of", "param_shardings", "replicated", "tensor_parallel_config",
            "tensor_parallel_size"]

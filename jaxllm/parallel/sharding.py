@@ -112,5 +112,12 @@ def kv_pool_shardings(pool: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda _: NamedSharding(mesh, spec), pool)
 
 
+def logits_sharding(mesh: Mesh, config: ModelConfig) -> NamedSharding:
+    """Where the forward's logits [N, V] live: split by vocabulary, as the LM head computes
+    them (the sampler runs on the shards; XLA gathers only what its reductions need)."""
+    vocab_split = config.vocab_size % mesh.shape[TP_AXIS] == 0
+    return NamedSharding(mesh, PartitionSpec(None, TP_AXIS if vocab_split else None))
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
