@@ -79,6 +79,9 @@ class LLMEngine:
             model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                seed=config.seed, unroll_layers=config.unroll_layers,
                                tensor_parallel_size=config.tensor_parallel_size)
+        elif model.mesh is not None and config.tensor_parallel_size == 1:
+            # An already sharded model brings its own size.
+            config = config.replace(tensor_parallel_size=model.tensor_parallel_size)
         # A caller's model keeps its own layout: the engine works on a re-laid-out (and, for
         # tensor parallelism, sharded) copy.
         model = model.with_tensor_parallel(config.tensor_parallel_size).with_layer_layout(

@@ -1,0 +1,164 @@
+"""Tensor parallelism on forced host devices (run by ``tests/test_tensor_parallel.py`` in its
+own process, with ``--xla_force_host_platform_device_count=4``): every parallel size gives
+the tokens one device gives, through ``LLM``, ``generate()`` and the server, with chunked
+prefill, prefix caching and both preemption modes; sizes a model cannot take are refused
+before any weight is read; no step compiles after warm-up."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import SMOLLM2_ENGINE_ARGS
+from jax.sharding import PartitionSpec
+from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.server import BackgroundServer
+from test_engine import BLOCK, SMALL_POOL, make_engine, run_all, workload
+from test_sampling_parity import completion_body, post
+from tiny_models import TINY_CONFIGS, random_params
+
+import jaxllm
+from jaxllm import LLM, AsyncLLMEngine, SamplingParams
+from jaxllm.loading import LoadedModel
+
+assert jax.device_count() == 4, "run through tests/test_tensor_parallel.py (4 host devices)"
+
+# qwen2_bias: 4 query heads, 1 KV head (replicated at TP 2 and 4), q/k/v biases;
+# llama3_rope_scaling: 4 query heads, 2 KV heads (split at TP 2, replicated at TP 4).
+MODELS = ("qwen2_bias", "llama3_rope_scaling")
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def tiny(request):
+    cfg = TINY_CONFIGS[request.param]
+    return LoadedModel(request.param, cfg, random_params(cfg, seed=21), None, jnp.float32)
+
+
+def greedy(model, prompts, max_tokens, **engine_args):
+    engine = make_engine(model, **engine_args)
+    outs = run_all(engine, prompts, max_tokens)
+    return [o.outputs[0].token_ids for o in outs], engine
+
+
+def test_params_and_pool_are_split_as_the_table_says(tiny):
+    engine = make_engine(tiny, tensor_parallel_size=2)
+    params = engine.model.params
+    assert engine.model.tensor_parallel_size == 2
+    assert params["layers"]["attn"]["qkv_proj"]["kernel"].sharding.spec == \
+        PartitionSpec(None, None, "tp")
+    assert params["layers"]["mlp"]["down_proj"]["kernel"].sharding.spec == \
+        PartitionSpec(None, "tp", None)
+    assert params["norm"]["scale"].sharding.is_fully_replicated
+    pool = engine.runner.kv_pool
+    assert pool.k.sharding.spec == PartitionSpec(None, None, None, "tp", None)
+    # Each device holds its KV heads' pages of every block: max(Hkv, TP) / TP heads each.
+    kv_heads = max(tiny.config.num_key_value_heads, 2)
+    assert engine.model.config.num_key_value_heads == kv_heads
+    assert {s.data.shape[3] for s in pool.k.addressable_shards} == {kv_heads // 2}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_chunked_prefill_and_prefix_caching_give_the_tokens_of_one_device(tiny, tp):
+    prompts, max_tokens = workload(10, seed=3)
+    prompts += [prompts[0][:40] + [7, 8, 9]]  # shares cached blocks with the first prompt
+    max_tokens += [12]
+    args = dict(enable_prefix_caching=True)
+    expected, _ = greedy(tiny, prompts, max_tokens, **args)
+    got, engine = greedy(tiny, prompts, max_tokens, tensor_parallel_size=tp, **args)
+    assert got == expected
+    assert max(map(len, prompts)) > engine.config.max_num_batched_tokens  # chunked
+    assert engine.block_manager.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_gives_the_tokens_of_one_device(mode):
+    tiny = LoadedModel("qwen2_bias", TINY_CONFIGS["qwen2_bias"],
+                       random_params(TINY_CONFIGS["qwen2_bias"], seed=21), None, jnp.float32)
+    prompts, max_tokens = workload(12, seed=1)
+    args = SMALL_POOL | dict(preemption_mode=mode, swap_space=0.01)
+    expected, _ = greedy(tiny, prompts, max_tokens, **args)
+    got, engine = greedy(tiny, prompts, max_tokens, tensor_parallel_size=2, **args)
+    assert engine.scheduler.num_preemptions > 0
+    assert got == expected
+
+
+def test_seeded_sampling_and_generate_match_one_device(tiny):
+    prompts, _ = workload(4, seed=5)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10,
+                            ignore_eos=True)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(tiny, tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32,
+                  max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=160,
+                  enforce_eager=True, compilation_cache_dir=None, progress=False)
+        outs[tp] = [o.outputs[0].token_ids for o in llm.generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    assert outs[2] == outs[1]
+    # generate() on sharded params: its pool is split the same way; the tokens agree.
+    ids = np.zeros((len(prompts), 64), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts])
+    sharded = tiny.with_tensor_parallel(4)
+    one = jaxllm.generate(tiny.params, jnp.asarray(ids), lens, jax.random.key(0),
+                          config=tiny.config, max_new_tokens=10)
+    four = jaxllm.generate(sharded.params, jnp.asarray(ids), lens, jax.random.key(0),
+                           config=sharded.config, max_new_tokens=10)
+    np.testing.assert_array_equal(four.tokens, one.tokens)
+
+
+def test_no_step_compiles_after_warm_up_at_tp2():
+    cfg = TINY_CONFIGS["llama3_rope_scaling"]
+    model = LoadedModel("tiny", cfg, random_params(cfg, seed=2), None, jnp.float32)
+    engine = make_engine(model, tensor_parallel_size=2, enforce_eager=False,
+                         max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    compiled = engine.runner.num_compilations
+    prompts, max_tokens = workload(8, seed=4)
+    run_all(engine, [p[:40] for p in prompts], max_tokens)
+    assert compiled > 0 and engine.runner.num_compilations == compiled
+
+
+def test_sizes_a_model_cannot_take_are_refused_before_any_weight_is_read(monkeypatch):
+    import jaxllm.loading as loading
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(loading, "assemble_params", no_reads)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2: the model's 9 attention "
+                                         "heads must be divisible"):
+        jaxllm.load_model(None, tensor_parallel_size=2)  # SmolLM2: 9 heads, 3 KV heads
+    with pytest.raises(ValueError, match="--tensor-parallel-size 8: must be between 1 and the "
+                                         "number of visible devices"):
+        jaxllm.load_model(None, tensor_parallel_size=8)
+    tiny = TINY_CONFIGS["llama3_rope_scaling"]
+    with pytest.raises(ValueError, match="--tensor-parallel-size 3: the model's 4 attention"):
+        jaxllm.load_model(None, load_format="dummy", config=tiny, tensor_parallel_size=3)
+
+
+def test_smollm2_at_tp3_gives_the_tokens_of_one_device(smollm2):
+    """The real SmolLM2 (9 query / 3 KV heads) split over three devices, weights streamed per
+    shard from the GGUF file: LLM, the server and generate() all give TP 1's greedy tokens."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    one = jaxllm.LLM(smollm2, progress=False, **SMOLLM2_ENGINE_ARGS)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    model = jaxllm.load_model(None, dtype="float32", tensor_parallel_size=3)
+    assert model.config.num_key_value_heads == 3
+    llm = jaxllm.LLM(model, progress=False, **SMOLLM2_ENGINE_ARGS)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] \
+        == expected
+    config = ServerConfig(host="127.0.0.1", port=0, served_model_name=("tiny",),
+                          disable_log_requests=True, disable_log_stats=True)
+    with (BackgroundServer(AsyncLLMEngine(llm.engine), config) as server,
+          concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool):
+        served = list(pool.map(lambda p: post(server.url, completion_body(p, params)), prompts))
+    assert [[int(t.removeprefix("token_id:")) for t in lp["tokens"]] for lp in served] \
+        == expected
+    ids = smollm2.tokenizer(prompts[0])["input_ids"]
+    out = jaxllm.generate(model.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
+                          jax.random.key(0), config=model.config, max_new_tokens=8)
+    assert np.asarray(out.tokens[0]).tolist() == expected[0]
