@@ -40,7 +40,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
         max_model_len=args.max_model_len, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
-        unroll_layers=args.unroll_layers,
+        unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
     engine = LLMEngine(config, model=model, progress=not args.no_progress)

@@ -52,6 +52,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="compile the layer stack unrolled (the engine's unroll_layers; "
                         "default: on GPU, as the engine)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many devices (the roofline is then "
+                        "per device: its share of the weights and of the KV cache)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -85,10 +88,11 @@ def kv_bytes_per_token(cfg, itemsize: int) -> int:
 
 def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
                bandwidth_gbps: float, matmul_params: int = 0,
-               peak_tflops: float | None = None) -> float:
-    """Lower bound on one decode step's time (seconds)."""
-    t_mem = (weight_bytes + batch * context * kv_bytes_per_token(cfg, itemsize)) / (
-        bandwidth_gbps * 1e9)
+               peak_tflops: float | None = None, tensor_parallel_size: int = 1) -> float:
+    """Lower bound on one decode step's time (seconds). Tensor parallel: ``weight_bytes`` is
+    one device's share, and each device reads 1 / size of the KV cache."""
+    kv_bytes = batch * context * kv_bytes_per_token(cfg, itemsize) / tensor_parallel_size
+    t_mem = (weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9)
     if peak_tflops is None:
         return t_mem
     attn = 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * context
@@ -105,22 +109,28 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
+    from jaxllm.parallel import kv_pool_shardings
     from jaxllm.sampling import build_sampling_metadata, sample
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
-    pool = new_kv_pool(cfg, num_blocks, block_size, model.dtype,
-                       unroll_layers=model.unroll_layers)
+    pool_out = {} if model.mesh is None else {"out_shardings": kv_pool_shardings(
+        jax.eval_shape(lambda: new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+                                           unroll_layers=model.unroll_layers)), model.mesh)}
+    pool = jax.jit(lambda: new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+                                       unroll_layers=model.unroll_layers), **pool_out)()
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
     batch = jax.device_put(pack_batch(chunks, block_size))
-    forward = make_forward(cfg, model.dtype, backend)
+    forward = make_forward(cfg, model.dtype, backend, model.mesh)
     greedy_rows = build_sampling_metadata([], batch_size, 0, 0)  # padding rows are greedy
 
     def step(params, kv_pool, batch):
         logits, kv_pool = forward(params, kv_pool, batch)
+        if pool_out:  # the pool keeps its split across steps
+            kv_pool = jax.lax.with_sharding_constraint(kv_pool, pool_out["out_shardings"])
         return sample(logits, greedy_rows, all_greedy=True, use_top_k_top_p=False).sampled, \
             kv_pool
 
@@ -149,11 +159,15 @@ def run(args: argparse.Namespace) -> dict:
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
 
+    tp = args.tensor_parallel_size
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                              seed=args.seed)
+                              seed=args.seed, tensor_parallel_size=tp)
     cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
     leaves = jax.tree.leaves(model.params)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in leaves)
+    first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
+    # One device's share: what each device reads per step (replicated leaves whole).
+    weight_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards
+                       if s.device == first)
     # Matmul params: everything but norms and the input embedding gather (tied: counted once).
     matmul_params = sum(x.size for x in leaves if x.ndim == 2) - (
         0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
@@ -176,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
             pool_blocks=args.pool_blocks)
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
-                           matmul_params, args.peak_tflops)
+                           matmul_params / tp, args.peak_tflops, tp)
         rows.append({"batch_size": b, "context_len": args.context_len,
                      "step_ms": 1e3 * measured, "launch_ms": 1e3 * launch,
                      "temp_bytes": temp_bytes,
@@ -194,6 +208,7 @@ def run(args: argparse.Namespace) -> dict:
               "commit": source_commit(),
               "model": model.name, "dtype": model.dtype.name,
               "device": jax.devices()[0].device_kind, "weight_bytes": int(weight_bytes),
+              "tensor_parallel_size": tp,
               "bandwidth_gbps": bandwidth, "bandwidth_source": how,
               "peak_tflops": args.peak_tflops, "unroll_layers": unroll, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}

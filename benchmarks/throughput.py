@@ -101,6 +101,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    "jax-static (default: on GPU, as the engine)")
     e.add_argument("--enforce-eager", action="store_true")
     e.add_argument("--enable-prefix-caching", action="store_true")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="jaxllm and jax-static: shard the model over this many devices")
     e.add_argument("--jax-static-batch-size", type=_batch_size, default=None,
                    help="jax-static's static batch (default: --max-num-seqs, else 256); its "
                    "contiguous cache holds batch x (longest prompt + longest output) tokens, "
@@ -193,7 +195,8 @@ def run_one(backend: str, args) -> dict:
         # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
         model = jaxllm.load_model(
             args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-            unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
+            unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
+            tensor_parallel_size=args.tensor_parallel_size)
         requests = _requests(args, model.config)
         from jaxllm.benchmarks.jax_backends import run_jax_static, run_jaxllm
 
