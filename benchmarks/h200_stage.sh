@@ -93,6 +93,20 @@ case $STAGE in
         --request-rate "$rate" --save-result --result-dir "$OUT" --no-progress \
         --result-filename "serve_${MODEL}_rate${rate}.json" 2>&1 | grep -v "^WARNING" | tail -32
     done
+    # The official client, when this machine has it (token-id prompt: dummy models have no
+    # tokenizer).
+    $PY - <<'PYEOF' 2>&1 | tail -3
+try:
+    import openai
+except ImportError:
+    print("openai client: not installed here")
+else:
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    model = client.models.list().data[0].id
+    out = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=8)
+    print(f"openai {openai.__version__} client: {model} finish_reason="
+          f"{out.choices[0].finish_reason}, usage {out.usage}")
+PYEOF
     kill -TERM $server; wait $server
     grep -i "error\|traceback" "$OUT/server_${MODEL}.log" | head -5 ;;
   cache-save)  # the engine's XLA cache into one file under $OUT (carry it to the next call)

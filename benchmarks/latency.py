@@ -100,12 +100,11 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
     return max(t_mem, t_comp)
 
 
-def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
-                     backend: str = "auto", iters: int = 20, warmup: int = 3,
-                     pool_blocks: int | None = None) -> tuple[float, float, int]:
-    """Median seconds of one decode step, and of its launch alone (the call returning before
-    the result is ready: a launch as long as the step means the host is blocked), and the
-    compiled step's temporary bytes."""
+def compile_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
+                        backend: str = "auto", pool_blocks: int | None = None):
+    """One greedy decode step of ``batch_size`` sequences at ``context`` tokens, compiled (the
+    pool donated; under tensor parallelism split by KV head as the engine splits it). Returns
+    ``(step, pool, batch)``: ``step(params, pool, batch) -> (tokens, pool)``."""
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
@@ -115,11 +114,14 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
-    pool_out = {} if model.mesh is None else {"out_shardings": kv_pool_shardings(
-        jax.eval_shape(lambda: new_kv_pool(cfg, num_blocks, block_size, model.dtype,
-                                           unroll_layers=model.unroll_layers)), model.mesh)}
-    pool = jax.jit(lambda: new_kv_pool(cfg, num_blocks, block_size, model.dtype,
-                                       unroll_layers=model.unroll_layers), **pool_out)()
+
+    def zeroed_pool():
+        return new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+                           unroll_layers=model.unroll_layers)
+
+    pool_out = {} if model.mesh is None else {
+        "out_shardings": kv_pool_shardings(jax.eval_shape(zeroed_pool), model.mesh)}
+    pool = jax.jit(zeroed_pool, **pool_out)()
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
@@ -135,6 +137,19 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
             kv_pool
 
     step = jax.jit(step, donate_argnums=(1,)).lower(model.params, pool, batch).compile()
+    return step, pool, batch
+
+
+def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
+                     backend: str = "auto", iters: int = 20, warmup: int = 3,
+                     pool_blocks: int | None = None) -> tuple[float, float, int]:
+    """Median seconds of one decode step, and of its launch alone (the call returning before
+    the result is ready: a launch as long as the step means the host is blocked), and the
+    compiled step's temporary bytes."""
+    import jax
+
+    step, pool, batch = compile_decode_step(model, batch_size, context, block_size=block_size,
+                                            backend=backend, pool_blocks=pool_blocks)
     # XLA's plan beyond the pool: a pool-sized figure here means the pool is not updated in place.
     temp_bytes = int(getattr(step.memory_analysis(), "temp_size_in_bytes", 0) or 0)
     print(f"batch {batch_size}: compiled step needs {temp_bytes / 1e9:.2f} GB of temporaries "

@@ -23,6 +23,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto",
                         choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="shard the model over this many local devices")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed (the engine's SamplingParams.seed: the same tokens as "
                              "LLM and the server draw with it); also seeds dummy weights")
@@ -60,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
     _check_sampling_args(args)
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                       seed=args.seed)
+                       seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise JaxLLMError("this model has no tokenizer, so it cannot take a text prompt")
@@ -88,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed,
         eos_token_ids=() if args.ignore_eos else model.config.eos_token_ids,
-        block_size=args.block_size, pad_token_id=tokenizer.pad_token_id or 0)
+        block_size=args.block_size, pad_token_id=tokenizer.pad_token_id or 0, mesh=model.mesh)
     compiled = jax.jit(call).lower(*call_args).compile()
     compiled_at = time.perf_counter()
     out = compiled(*call_args)

@@ -92,6 +92,8 @@ def generate(
     Params sharded for tensor parallelism (``load_model(..., tensor_parallel_size=N)``,
     :meth:`~jaxllm.LoadedModel.with_tensor_parallel`) run sharded, with the pool split by KV
     head on their mesh, and ``config`` the model's (KV heads as replicated for the mesh).
+    Called with concrete params the mesh is found from them; inside your own ``jax.jit`` the
+    params are tracers, so pass ``mesh=model.mesh``.
 
     Sampling is the engine's (``jaxllm.sampling.sample``), with vLLM's meaning for each
     setting: the same prompt, seed and settings draw the same tokens as ``LLM.generate`` or the

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.model_config import ModelConfig
@@ -178,27 +179,47 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
     return params
 
 
-def _stacked(*layers: Leaf) -> Leaf:
+@dataclasses.dataclass(frozen=True)
+class StackedLeaf(Leaf):
+    """A leaf stacked on a leading layer axis from per-layer leaves: made on the device(s) one
+    layer at a time, so the host never holds more than one layer's block."""
+
+    layers: tuple[Leaf, ...] = ()
+
+
+def _stacked(*layers: Leaf) -> StackedLeaf:
     def read(idx: Index) -> np.ndarray:
         return np.stack([layers[i].read(idx[1:]) for i in range(len(layers))[idx[0]]])
 
-    return Leaf((len(layers), *layers[0].shape), read)
+    return StackedLeaf((len(layers), *layers[0].shape), read, layers)
+
+
+def _put(leaf: Leaf, sharding: NamedSharding | None) -> jax.Array:
+    if isinstance(leaf, StackedLeaf):
+        inner = None if sharding is None else NamedSharding(
+            sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+        parts = [_put(layer, inner) for layer in leaf.layers]
+        stack = jax.jit(lambda *xs: jnp.stack(xs),
+                        **({} if sharding is None else {"out_shardings": sharding}))
+        stacked = stack(*parts)
+        for part in parts:
+            part.delete()
+        return stacked
+    if sharding is None:
+        return jnp.asarray(leaf.read(tuple(slice(None) for _ in leaf.shape)))
+    return jax.make_array_from_callback(leaf.shape, sharding, leaf.read)
 
 
 def materialize(leaves: Any, dtype: Any, shardings: Callable[[Any], Any] | None) -> Any:
-    """Device arrays for a tree of :class:`Leaf`, one leaf at a time. ``shardings`` maps the
-    tree's ShapeDtypeStructs to NamedShardings (:func:`jaxllm.parallel.param_shardings`):
-    each device then reads only its own block."""
+    """Device arrays for a tree of :class:`Leaf`, one leaf (and layer) at a time.
+    ``shardings`` maps the tree's ShapeDtypeStructs to NamedShardings
+    (:func:`jaxllm.parallel.param_shardings`): each device then reads only its own block."""
     is_leaf = lambda x: isinstance(x, Leaf)  # noqa: E731
     if shardings is None:
-        return jax.tree.map(
-            lambda leaf: jnp.asarray(leaf.read(tuple(slice(None) for _ in leaf.shape))),
-            leaves, is_leaf=is_leaf)
+        return jax.tree.map(lambda leaf: _put(leaf, None), leaves, is_leaf=is_leaf)
     specs = shardings(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype),
                                    leaves, is_leaf=is_leaf))
-    return jax.tree.map(
-        lambda leaf, sharding: jax.make_array_from_callback(leaf.shape, sharding, leaf.read),
-        leaves, specs, is_leaf=is_leaf)
+    return jax.tree.map(_put, leaves, specs, is_leaf=is_leaf)
 
 
 def assemble_params(checkpoint: ModelConfig, get: GetTensor, available: set[str], dtype: Any,

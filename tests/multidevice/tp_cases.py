@@ -7,6 +7,10 @@ before any weight is read; no step compiles after warm-up."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +21,16 @@ from jax.sharding import PartitionSpec
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.server import BackgroundServer
 from test_engine import BLOCK, SMALL_POOL, make_engine, run_all, workload
+from test_loading import TINY_DIR, TINY_NAMES, reference
 from test_sampling_parity import completion_body, post
 from tiny_models import TINY_CONFIGS, random_params
 
 import jaxllm
 from jaxllm import LLM, AsyncLLMEngine, SamplingParams
 from jaxllm.loading import LoadedModel
+from jaxllm.loading.assemble import hf_leaves, replicate_kv_heads
+from jaxllm.loading.safetensors_io import open_checkpoint
+from jaxllm.parallel import param_shardings
 
 assert jax.device_count() == 4, "run through tests/test_tensor_parallel.py (4 host devices)"
 
@@ -97,6 +105,15 @@ def test_seeded_sampling_and_generate_match_one_device(tiny):
         outs[tp] = [o.outputs[0].token_ids for o in llm.generate(
             prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
     assert outs[2] == outs[1]
+    # n = 2: the two samples share the prompt's blocks and copy the last one on write.
+    fork = params.replace(n=2, max_tokens=6)
+    forked = {tp: [[c.token_ids for c in o.outputs] for o in LLM(
+        tiny, tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32,
+        max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=160, enforce_eager=True,
+        compilation_cache_dir=None, progress=False).generate(
+            prompt_token_ids=prompts[:2], sampling_params=fork, use_tqdm=False)]
+        for tp in (1, 2)}
+    assert forked[2] == forked[1] and all(len(o) == 2 for o in forked[2])
     # generate() on sharded params: its pool is split the same way; the tokens agree.
     ids = np.zeros((len(prompts), 64), np.int32)
     for i, p in enumerate(prompts):
@@ -119,6 +136,51 @@ def test_no_step_compiles_after_warm_up_at_tp2():
     prompts, max_tokens = workload(8, seed=4)
     run_all(engine, [p[:40] for p in prompts], max_tokens)
     assert compiled > 0 and engine.runner.num_compilations == compiled
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_hf_checkpoints_load_straight_into_their_shards(name):
+    """Each device's block of every leaf, read from the checkpoint alone, is that block of the
+    one-device params (KV columns replicated where the size passes the KV heads), in either
+    layer layout; the sharded model still gives transformers' greedy tokens."""
+    path = os.path.join(TINY_DIR, name)
+    one = jaxllm.load_model(path, dtype="float32")
+    ref = reference(name)
+    ids = ref["input_ids"].tolist()
+    for tp, unroll in ((2, False), (4, True)):
+        model = jaxllm.load_model(path, dtype="float32", tensor_parallel_size=tp,
+                                  unroll_layers=unroll)
+        expected = dataclasses.replace(
+            one, config=model.config,
+            params=replicate_kv_heads(one.params, one.config, model.config)
+        ).with_layer_layout(unroll).params
+        for got, want in zip(jax.tree.leaves(model.params), jax.tree.leaves(expected),
+                             strict=True):
+            assert len(got.sharding.device_set) == tp
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        out = jaxllm.generate(model.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
+                              jax.random.key(0), config=model.config, max_new_tokens=16)
+        assert np.asarray(out.tokens[0]).tolist() == ref["greedy_ids"].tolist()
+
+
+def test_a_leaf_reads_any_block_on_its_own():
+    """What a device's callback gets: a block read from the tensors equals the whole leaf's
+    block (the fused columns included), so no device needs the whole leaf."""
+    path = os.path.join(TINY_DIR, "qwen2_bias")
+    one = jaxllm.load_model(path, dtype="float32")
+    tensors = open_checkpoint(path)
+    leaves = hf_leaves(one.config, one.config, lambda n: tensors[n].get(n), set(tensors),
+                       np.dtype(np.float32), path, unroll_layers=False)
+    mesh = jaxllm.parallel.make_mesh(2)
+    shardings = param_shardings(one.params, mesh, one.config)
+    checked = 0
+    for leaf, want, sharding in zip(jax.tree.leaves(leaves, is_leaf=lambda x: hasattr(x, "read")),
+                                    jax.tree.leaves(one.params), jax.tree.leaves(shardings),
+                                    strict=True):
+        for index in sharding.addressable_devices_indices_map(want.shape).values():
+            np.testing.assert_array_equal(leaf.read(index), np.asarray(want)[index])
+            checked += 1
+    assert checked == 2 * len(jax.tree.leaves(one.params))
 
 
 def test_sizes_a_model_cannot_take_are_refused_before_any_weight_is_read(monkeypatch):
@@ -162,3 +224,15 @@ def test_smollm2_at_tp3_gives_the_tokens_of_one_device(smollm2):
     out = jaxllm.generate(model.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
                           jax.random.key(0), config=model.config, max_new_tokens=8)
     assert np.asarray(out.tokens[0]).tolist() == expected[0]
+
+
+def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints():
+    run = lambda *flags: subprocess.run(
+        [sys.executable, "-m", "jaxllm", "generate", "--prompt", "The capital of France is",
+         "--max-tokens", "6", "--dtype", "float32", *flags], capture_output=True, text=True,
+        timeout=600)
+    one, three, two = run(), run("-tp", "3"), run("-tp", "2")
+    assert one.returncode == 0 and three.returncode == 0, one.stderr[-2000:] + three.stderr[-2000:]
+    assert three.stdout.splitlines()[0] == one.stdout.splitlines()[0]
+    assert two.returncode == 2 and "--tensor-parallel-size 2: the model's 9 attention heads" \
+        in two.stderr and "Traceback" not in two.stderr
