@@ -25,6 +25,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                        help="weight-only int8, quantized at load time")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed (the engine's SamplingParams.seed: the same tokens as "
                              "LLM and the server draw with it); also seeds dummy weights")
@@ -62,7 +64,8 @@ def _generate(args: argparse.Namespace) -> int:
     _check_sampling_args(args)
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                       seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                       seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                       quantization=args.quantization)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise JaxLLMError("this model has no tokenizer, so it cannot take a text prompt")

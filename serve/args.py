@@ -111,7 +111,8 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     engine.add_argument("--quantization", "-q", default=None,
-                        help="only None (or 'gguf' for a .gguf model, dequantized at load)")
+                        help="int8 (weight-only, quantized at load time); 'gguf' for a .gguf "
+                        "model (dequantized at load); None: as the checkpoint is")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices (attention heads, "
                         "MLP and vocabulary split; the KV cache split by KV head)")
@@ -129,13 +130,17 @@ def configs_from_args(args: argparse.Namespace,
     if args.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size} is not "
                          "supported yet: jaxllm serves a model on one device (use 1)")
-    if args.quantization is not None:
+    quantization = args.quantization
+    if quantization == "gguf":
         is_gguf = model is None or model.endswith(".gguf") or args.load_format == "gguf"
-        if not (args.quantization == "gguf" and is_gguf):
-            raise ValueError(
-                f"--quantization={args.quantization} is not supported: jaxllm loads "
-                "unquantized checkpoints and GGUF files (dequantized at load; "
-                "--quantization gguf or none)")
+        if not is_gguf:
+            raise ValueError("--quantization=gguf is not supported for this model: it names a "
+                             "GGUF file's own quantization (dequantized at load)")
+        quantization = None
+    elif quantization not in (None, "int8"):
+        raise ValueError(
+            f"--quantization={quantization} is not supported yet: jaxllm quantizes weights "
+            "with int8 at load time (awq, gptq and fp8 checkpoints are refused with a reason)")
     engine = EngineConfig(
         model=model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -144,6 +149,7 @@ def configs_from_args(args: argparse.Namespace,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
         unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
+        quantization=quantization,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
         disable_log_stats=args.disable_log_stats)

@@ -42,6 +42,7 @@ def test_vllm_flags_map_onto_the_engine_config():
     assert [configs(*flag)[0].unroll_layers for flag in
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
     assert configs("-tp", "2")[0].tensor_parallel_size == 2
+    assert configs("-q", "int8")[0].quantization == "int8"
 
 
 def test_api_key_and_memory_monitor_come_from_the_environment():

@@ -52,6 +52,9 @@ class EngineConfig:
     # Shard the model over this many local devices (jaxllm.parallel): Megatron-style weights,
     # the KV pool split by KV head. 1: one device.
     tensor_parallel_size: int = 1
+    # Quantize (or read a quantized checkpoint's) weights: jaxllm.quantization. None: as the
+    # checkpoint is.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

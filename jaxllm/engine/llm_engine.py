@@ -78,14 +78,17 @@ class LLMEngine:
         if model is None:
             model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
                                seed=config.seed, unroll_layers=config.unroll_layers,
-                               tensor_parallel_size=config.tensor_parallel_size)
+                               tensor_parallel_size=config.tensor_parallel_size,
+                               quantization=config.quantization)
         elif model.mesh is not None and config.tensor_parallel_size == 1:
             # An already sharded model brings its own size.
             config = config.replace(tensor_parallel_size=model.tensor_parallel_size)
         # A caller's model keeps its own layout: the engine works on a re-laid-out (and, for
         # tensor parallelism, sharded) copy.
-        model = model.with_tensor_parallel(config.tensor_parallel_size).with_layer_layout(
-            config.unroll_layers)
+        model = model.with_quantization(config.quantization).with_tensor_parallel(
+            config.tensor_parallel_size).with_layer_layout(config.unroll_layers)
+        if model.quantization is not None:
+            logger.info("weights: %s", model.quantization.describe())
         self.model = model
         self.tokenizer = model.tokenizer
         model_len = model.config.max_position_embeddings

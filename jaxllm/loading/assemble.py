@@ -210,27 +210,36 @@ def _put(leaf: Leaf, sharding: NamedSharding | None) -> jax.Array:
     return jax.make_array_from_callback(leaf.shape, sharding, leaf.read)
 
 
-def materialize(leaves: Any, dtype: Any, shardings: Callable[[Any], Any] | None) -> Any:
+def materialize(leaves: Any, dtype: Any, shardings: Callable[[Any], Any] | None,
+                transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
     """Device arrays for a tree of :class:`Leaf`, one leaf (and layer) at a time.
     ``shardings`` maps the tree's ShapeDtypeStructs to NamedShardings
-    (:func:`jaxllm.parallel.param_shardings`): each device then reads only its own block."""
+    (:func:`jaxllm.parallel.param_shardings`): each device then reads only its own block.
+    ``transform(path, array)`` runs on each leaf as soon as it is made (load-time
+    quantization), before the next is read."""
     is_leaf = lambda x: isinstance(x, Leaf)  # noqa: E731
-    if shardings is None:
-        return jax.tree.map(lambda leaf: _put(leaf, None), leaves, is_leaf=is_leaf)
-    specs = shardings(jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype),
-                                   leaves, is_leaf=is_leaf))
-    return jax.tree.map(_put, leaves, specs, is_leaf=is_leaf)
+    specs = None if shardings is None else shardings(
+        jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, dtype), leaves,
+                     is_leaf=is_leaf))
+    specs = jax.tree.map(lambda _: None, leaves, is_leaf=is_leaf) if specs is None else specs
+
+    def make(path, leaf, sharding):
+        array = _put(leaf, sharding)
+        return array if transform is None else transform(path, array)
+
+    return jax.tree_util.tree_map_with_path(make, leaves, specs, is_leaf=is_leaf)
 
 
 def assemble_params(checkpoint: ModelConfig, get: GetTensor, available: set[str], dtype: Any,
                     source: str, *, config: ModelConfig | None = None,
                     unroll_layers: bool = False,
-                    shardings: Callable[[Any], Any] | None = None) -> Any:
+                    shardings: Callable[[Any], Any] | None = None,
+                    transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
     """The param tree on the device(s), in ``dtype``; raises ModelLoadError naming any bad
     tensor. See :func:`hf_leaves` and :func:`materialize`."""
     leaves = hf_leaves(checkpoint, config or checkpoint, get, available, jnp.dtype(dtype),
                        source, unroll_layers=unroll_layers)
-    return materialize(leaves, dtype, shardings)
+    return materialize(leaves, dtype, shardings, transform)
 
 
 def _natural_key(name: str) -> list:

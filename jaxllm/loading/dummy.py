@@ -22,18 +22,23 @@ DUMMY_RANGE = 1e-3
 def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
                  unroll_layers: bool = False,
                  shardings: Callable[[Any], Any] | None = None,
-                 checkpoint: ModelConfig | None = None) -> Any:
+                 checkpoint: ModelConfig | None = None,
+                 transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
     """Random params in the layout ``unroll_layers`` picks (a layer's values are the same in
     either); with ``shardings`` (shapes -> NamedShardings) each device makes only its shard.
     ``checkpoint``: the config before tensor parallelism replicated KV heads; the values are
     then made for it and its K/V columns copied, so that every parallel size runs the same
-    model (made whole on one device first: only models with fewer KV heads than devices)."""
+    model (made whole on one device first: only models with fewer KV heads than devices).
+    ``transform(path, array)`` runs on each leaf as soon as it is made (load-time
+    quantization)."""
     if checkpoint is not None and checkpoint != config:
         params = dummy_params(checkpoint, dtype, seed, unroll_layers=unroll_layers)
         params = replicate_kv_heads(params, checkpoint, config)
-        return params if shardings is None else jax.device_put(
-            params, shardings(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                           params)))
+        if shardings is not None:
+            params = jax.device_put(params, shardings(
+                jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)))
+        return params if transform is None else jax.tree_util.tree_map_with_path(
+            transform, params)
     shapes = param_shapes(config, dtype)
     if unroll_layers:
         layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
@@ -62,7 +67,8 @@ def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
                                   for i in range(leaf.shape[0])])
             return uniform(k, leaf.shape, leaf.dtype)
 
-        return jax.jit(values, out_shardings=sharding)(key)
+        made = jax.jit(values, out_shardings=sharding)(key)
+        return made if transform is None else transform(path, made)
 
     return jax.tree_util.tree_map_with_path(make, shapes, placements)
 

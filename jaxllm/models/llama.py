@@ -43,6 +43,7 @@ from jax.sharding import Mesh
 from jaxllm.attention import write_kv_and_attend
 from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
+from jaxllm.layers import Linear
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 
@@ -70,8 +71,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
         cfg = self.config
-        dense = lambda n, bias, name: nn.Dense(
-            n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)
         kv_heads = cfg.num_key_value_heads
         group = cfg.num_attention_heads // kv_heads
         qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
@@ -93,11 +93,11 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         f = self.config.intermediate_size
-        gate_up = nn.Dense(2 * f, use_bias=False, dtype=self.dtype, param_dtype=self.dtype,
-                           name="gate_up_proj")(x).reshape(-1, f, 2)  # [T, F, (gate, up)]
+        gate_up = Linear(2 * f, False, self.dtype, name="gate_up_proj")(x).reshape(
+            -1, f, 2)  # [T, F, (gate, up)]
         gate, up = gate_up[..., 0], gate_up[..., 1]
-        return nn.Dense(self.config.hidden_size, use_bias=False, dtype=self.dtype,
-                        param_dtype=self.dtype, name="down_proj")(nn.silu(gate) * up)
+        return Linear(self.config.hidden_size, False, self.dtype, name="down_proj")(
+            nn.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -167,8 +167,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                              param_dtype=self.dtype, name="lm_head")(hidden)
+            logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(hidden)
         return logits.astype(jnp.float32), kv_pool
 
 

@@ -88,11 +88,16 @@ def kv_head_source(config: ModelConfig, checkpoint_kv_heads: int) -> list[int]:
 
 
 def _leaf_spec(path: tuple, ndim: int, vocab_split: bool) -> PartitionSpec:
-    names = [getattr(k, "key", None) for k in path]
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    part = None
+    if len(names) >= 3 and names[-2] == "kernel":  # a quantized kernel's part (linear.py)
+        names, part = names[:-1], names[-1]
     key = (names[-2], names[-1]) if len(names) >= 2 else (None, None)
     trailing = _PARAM_SPECS.get(key, ())
     if key in _VOCAB_SPLIT and not vocab_split:
         trailing = ()
+    if part == "scale" and trailing:  # per output channel: split as the kernel's output axis
+        trailing = trailing[-1:]
     return PartitionSpec(*([None] * (ndim - len(trailing))), *trailing)
 
 

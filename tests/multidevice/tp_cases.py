@@ -236,3 +236,20 @@ def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints():
     assert three.stdout.splitlines()[0] == one.stdout.splitlines()[0]
     assert two.returncode == 2 and "--tensor-parallel-size 2: the model's 9 attention heads" \
         in two.stderr and "Traceback" not in two.stderr
+
+
+def test_int8_weights_shard_like_the_float_ones(tiny):
+    """Quantized pytrees split as the kernels they stand for (the scale as the output axis)
+    and give the tokens of the one-device int8 model."""
+    prompts, max_tokens = workload(6, seed=7)
+    one = tiny.with_quantization("int8")
+    expected, _ = greedy(one, prompts, max_tokens)
+    got, engine = greedy(tiny, prompts, max_tokens, tensor_parallel_size=2,
+                         quantization="int8")
+    assert got == expected
+    layers = engine.model.params["layers"]
+    qkv, down = layers["attn"]["qkv_proj"]["kernel"], layers["mlp"]["down_proj"]["kernel"]
+    assert qkv.q.sharding.spec == PartitionSpec(None, None, "tp")
+    assert qkv.scale.sharding.spec == PartitionSpec(None, "tp")
+    assert down.q.sharding.spec == PartitionSpec(None, "tp", None)
+    assert down.scale.sharding.is_fully_replicated

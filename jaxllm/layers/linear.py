@@ -1,0 +1,70 @@
+"""The one linear layer: every projection of the model calls :func:`linear`, whatever its
+weight's format, so the model code does not change with quantization.
+
+A weight is either a float kernel [K, N] (``y = x @ W``) or a quantized pytree that stands in
+for it at the same place in the param tree and shards the same way (its [.., K, N] parts split
+as the kernel, its per-output-channel parts as the kernel's output axis):
+
+- :class:`Int8Weight`: int8 weight-only, one symmetric scale per output channel, quantized at
+  load time (``--quantization int8``). The int8 values are widened to the activation dtype
+  inside the matmul's fusion; the scale multiplies the [.., N] output, not the weight.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+INT8_MAX = 127
+
+
+@flax.struct.dataclass
+class Int8Weight:
+    """Stands in for a kernel [.., K, N]."""
+
+    q: jax.Array  # int8 [.., K, N]
+    scale: jax.Array  # float [.., N]: W[k, n] ~= q[k, n] * scale[n]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.q.astype(dtype) * self.scale[..., None, :].astype(dtype)
+
+
+def quantize_int8(kernel: jax.Array) -> Int8Weight:
+    """Symmetric per-output-channel int8 of a kernel [.., K, N] (absmax / 127 per column;
+    an all-zero column gets scale 1)."""
+    absmax = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=-2)  # [.., N]
+    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    q = jnp.clip(jnp.round(kernel.astype(jnp.float32) / scale[..., None, :]), -INT8_MAX,
+                 INT8_MAX).astype(jnp.int8)
+    return Int8Weight(q=q, scale=scale.astype(kernel.dtype))
+
+
+def linear(x: jax.Array, kernel) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
+    if isinstance(kernel, Int8Weight):
+        y = jnp.dot(x, kernel.q.astype(x.dtype))
+        return y * kernel.scale.astype(x.dtype)
+    return jnp.dot(x, kernel.astype(x.dtype))
+
+
+class Linear(nn.Module):
+    """``nn.Dense``'s params (``kernel`` [K, N], ``bias`` [N]), computed by :func:`linear`, so
+    the kernel may be a quantized weight."""
+
+    features: int
+    use_bias: bool
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(),
+                            (x.shape[-1], self.features), self.dtype)
+        y = linear(x.astype(self.dtype), kernel)
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y
