@@ -76,5 +76,5 @@ def test_generate_passes_every_sampling_option_and_the_seed(monkeypatch, capsys)
     assert seen == dict(config=config, max_new_tokens=3, temperature=0.7, top_k=5, top_p=0.9,
                         min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5,
                         frequency_penalty=-0.5, seed=42, eos_token_ids=(2,), block_size=16,
-                        pad_token_id=0)
+                        pad_token_id=0, mesh=None)
     assert capsys.readouterr().out.startswith("reply")
