@@ -175,17 +175,22 @@ def run(args: argparse.Namespace) -> dict:
     from jaxllm.engine.engine_config import resolve_unroll_layers
 
     tp = args.tensor_parallel_size
+    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
+    # Loaded in the layout the engine would run (no second copy made to re-lay it out).
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                              seed=args.seed, tensor_parallel_size=tp)
+                              seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll)
     cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
     leaves = jax.tree.leaves(model.params)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
     # One device's share: what each device reads per step (replicated leaves whole).
     weight_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards
                        if s.device == first)
-    # Matmul params: everything but norms and the input embedding gather (tied: counted once).
-    matmul_params = sum(x.size for x in leaves if x.ndim == 2) - (
-        0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    # Matmul params: every projection kernel (either layout, quantized or not), plus the
+    # embedding when it doubles as the LM head.
+    matmul_params = sum(
+        x.size for path, x in jax.tree_util.tree_leaves_with_path(model.params)
+        if "kernel" in jax.tree_util.keystr(path) and not jax.tree_util.keystr(path).endswith(
+            "scale")) + (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
     on_gpu = jax.default_backend() != "cpu"
     if args.bandwidth_gbps is not None:
         bandwidth, how = args.bandwidth_gbps, "given"
@@ -195,8 +200,6 @@ def run(args: argparse.Namespace) -> dict:
     print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
-    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
-    model = model.with_layer_layout(unroll, donate=True)  # as the engine would run it
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):

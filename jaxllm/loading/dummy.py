@@ -5,6 +5,7 @@ As in vLLM, every value is uniform in [-1e-3, 1e-3]: good for timing, meaningles
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -51,23 +52,30 @@ def dummy_params(config: ModelConfig, dtype: Any, seed: int = 0, *,
     def uniform(key, shape, dtype):
         return jax.random.uniform(key, shape, dtype, -DUMMY_RANGE, DUMMY_RANGE)
 
-    # Keyed by the leaf's name and layer, not its place in the tree. One jitted call per leaf
-    # keeps peak memory at the weights themselves (no f32 staging).
+    # One program per leaf shape and placement, the layer a traced argument (a 70B model has
+    # 560 per-layer leaves of 7 shapes); one call per leaf keeps peak memory at the weights
+    # themselves (no f32 staging).
+    @functools.cache
+    def program(shape, dtype, sharding, stacked):
+        def values(k, layer):
+            if stacked:
+                return jnp.stack([uniform(jax.random.fold_in(k, i), shape[1:], dtype)
+                                  for i in range(shape[0])])
+            return uniform(jax.random.fold_in(k, layer), shape, dtype)
+
+        return jax.jit(values, out_shardings=sharding)
+
+    # Keyed by the leaf's name and layer, not its place in the tree.
     def make(path, leaf, sharding):
         names = [str(getattr(k, "key", "")) for k in path]
         key = jax.random.fold_in(root, zlib.crc32("/".join(n for n in names if n).encode()))
         layer = getattr(path[1], "idx", None) if len(path) > 1 else None
         stacked = names[0] == "layers" and layer is None
-
-        def values(k):
-            if layer is not None:
-                return uniform(jax.random.fold_in(k, layer), leaf.shape, leaf.dtype)
-            if stacked:
-                return jnp.stack([uniform(jax.random.fold_in(k, i), leaf.shape[1:], leaf.dtype)
-                                  for i in range(leaf.shape[0])])
-            return uniform(k, leaf.shape, leaf.dtype)
-
-        made = jax.jit(values, out_shardings=sharding)(key)
+        if layer is None and not stacked:  # a leaf outside the layers: its own key
+            made = jax.jit(lambda k: uniform(k, leaf.shape, leaf.dtype),
+                           out_shardings=sharding)(key)
+        else:
+            made = program(leaf.shape, leaf.dtype, sharding, stacked)(key, layer or 0)
         return made if transform is None else transform(path, made)
 
     return jax.tree_util.tree_map_with_path(make, shapes, placements)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.server import BackgroundServer
 from test_engine import BLOCK, SMALL_POOL, make_engine, run_all, workload
-from test_loading import TINY_DIR, TINY_NAMES, reference
+from test_loading import TINY_DIR, reference
 from test_sampling_parity import completion_body, post
 from tiny_models import TINY_CONFIGS, random_params
 
@@ -36,13 +37,12 @@ assert jax.device_count() == 4, "run through tests/test_tensor_parallel.py (4 ho
 
 # qwen2_bias: 4 query heads, 1 KV head (replicated at TP 2 and 4), q/k/v biases;
 # llama3_rope_scaling: 4 query heads, 2 KV heads (split at TP 2, replicated at TP 4).
-MODELS = ("qwen2_bias", "llama3_rope_scaling")
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def tiny(request):
-    cfg = TINY_CONFIGS[request.param]
-    return LoadedModel(request.param, cfg, random_params(cfg, seed=21), None, jnp.float32)
+@functools.cache
+def tiny_model(name: str) -> LoadedModel:
+    cfg = TINY_CONFIGS[name]
+    return LoadedModel(name, cfg, random_params(cfg, seed=21), None, jnp.float32)
 
 
 def greedy(model, prompts, max_tokens, **engine_args):
@@ -51,7 +51,8 @@ def greedy(model, prompts, max_tokens, **engine_args):
     return [o.outputs[0].token_ids for o in outs], engine
 
 
-def test_params_and_pool_are_split_as_the_table_says(tiny):
+def test_params_and_pool_are_split_as_the_table_says():
+    tiny = tiny_model("qwen2_bias")
     engine = make_engine(tiny, tensor_parallel_size=2)
     params = engine.model.params
     assert engine.model.tensor_parallel_size == 2
@@ -68,8 +69,10 @@ def test_params_and_pool_are_split_as_the_table_says(tiny):
     assert {s.data.shape[3] for s in pool.k.addressable_shards} == {kv_heads // 2}
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_chunked_prefill_and_prefix_caching_give_the_tokens_of_one_device(tiny, tp):
+# KV heads split (2 over 2 devices) and replicated (1 onto 4 devices, with q/k/v biases).
+@pytest.mark.parametrize("name, tp", [("llama3_rope_scaling", 2), ("qwen2_bias", 4)])
+def test_chunked_prefill_and_prefix_caching_give_the_tokens_of_one_device(name, tp):
+    tiny = tiny_model(name)
     prompts, max_tokens = workload(10, seed=3)
     prompts += [prompts[0][:40] + [7, 8, 9]]  # shares cached blocks with the first prompt
     max_tokens += [12]
@@ -83,8 +86,7 @@ def test_chunked_prefill_and_prefix_caching_give_the_tokens_of_one_device(tiny, 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_the_tokens_of_one_device(mode):
-    tiny = LoadedModel("qwen2_bias", TINY_CONFIGS["qwen2_bias"],
-                       random_params(TINY_CONFIGS["qwen2_bias"], seed=21), None, jnp.float32)
+    tiny = tiny_model("qwen2_bias")
     prompts, max_tokens = workload(12, seed=1)
     args = SMALL_POOL | dict(preemption_mode=mode, swap_space=0.01)
     expected, _ = greedy(tiny, prompts, max_tokens, **args)
@@ -93,7 +95,8 @@ def test_preemption_gives_the_tokens_of_one_device(mode):
     assert got == expected
 
 
-def test_seeded_sampling_and_generate_match_one_device(tiny):
+def test_seeded_sampling_and_generate_match_one_device():
+    tiny = tiny_model("qwen2_bias")
     prompts, _ = workload(4, seed=5)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10,
                             ignore_eos=True)
@@ -138,7 +141,8 @@ def test_no_step_compiles_after_warm_up_at_tp2():
     assert compiled > 0 and engine.runner.num_compilations == compiled
 
 
-@pytest.mark.parametrize("name", TINY_NAMES)
+# KV heads 2 (split at TP 2, replicated at 4) with biases; 1 (replicated) with a sliding window.
+@pytest.mark.parametrize("name", ["qwen2_bias", "mistral_sliding"])
 def test_hf_checkpoints_load_straight_into_their_shards(name):
     """Each device's block of every leaf, read from the checkpoint alone, is that block of the
     one-device params (KV columns replicated where the size passes the KV heads), in either
@@ -238,7 +242,8 @@ def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints():
         in two.stderr and "Traceback" not in two.stderr
 
 
-def test_int8_weights_shard_like_the_float_ones(tiny):
+def test_int8_weights_shard_like_the_float_ones():
+    tiny = tiny_model("llama3_rope_scaling")
     """Quantized pytrees split as the kernels they stand for (the scale as the output axis)
     and give the tokens of the one-device int8 model."""
     prompts, max_tokens = workload(6, seed=7)
