@@ -52,7 +52,7 @@ steps() {
   latency "lat70_tp$TP" 200 480 "$TP" "$MODEL70" "$BATCHES70"
   throughput "thr70_tp$TP" 300 600 "$TP" "$MODEL70"
   # shellcheck disable=SC2086
-  step "serve70_tp$TP" 300 600 env NUM_PROMPTS="${NUM_PROMPTS:-200}" OUT="$DIR" bash \
+  step "serve70_tp$TP" 300 600 env NUM_PROMPTS="${NUM_PROMPTS:-200}" OUT="$DIR" PYTHON="$PY" bash \
     benchmarks/h200_stage.sh serve 590 "$MODEL70" 2 -tp "$TP" $ENGINE
 }
 
