@@ -108,20 +108,16 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
-    from jaxllm.parallel import kv_pool_shardings
     from jaxllm.sampling import build_sampling_metadata, sample
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
 
-    def zeroed_pool():
-        return new_kv_pool(cfg, num_blocks, block_size, model.dtype,
-                           unroll_layers=model.unroll_layers)
-
+    pool = new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+                       unroll_layers=model.unroll_layers, mesh=model.mesh)
     pool_out = {} if model.mesh is None else {
-        "out_shardings": kv_pool_shardings(jax.eval_shape(zeroed_pool), model.mesh)}
-    pool = jax.jit(zeroed_pool, **pool_out)()
+        "out_shardings": jax.tree.map(lambda x: x.sharding, pool)}
     chunks = [SeqChunk([100 + i % 50], context,
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]

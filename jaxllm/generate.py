@@ -21,7 +21,7 @@ from jaxllm.batch import SeqChunks, pack_batch
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
-from jaxllm.parallel import kv_pool_shardings, mesh_of
+from jaxllm.parallel import mesh_of
 from jaxllm.sampling import SampleVariant, SamplingMetadata, sample, scalar_variant
 
 
@@ -119,9 +119,7 @@ def generate(
     # Params laid out per layer (LoadedModel.with_layer_layout) run the unrolled stack over a
     # per-layer pool, as the engine does with unroll_layers; stacked params run the scan.
     kv_pool = new_kv_pool(config, 1 + batch_size * width, block_size, dtype,
-                          unroll_layers=has_per_layer_params(params))
-    if mesh is not None:
-        kv_pool = jax.lax.with_sharding_constraint(kv_pool, kv_pool_shardings(kv_pool, mesh))
+                          unroll_layers=has_per_layer_params(params), mesh=mesh)
     lens = prompt_lens.astype(jnp.int32)
     as_rows = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (batch_size,))
     variant = variant or SampleVariant()

@@ -19,6 +19,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxllm.parallel.sharding import kv_pool_shardings
+
 NULL_BLOCK = 0
 PAD_SLOT = -1  # slot_mapping of a padded token: nothing is written
 
@@ -123,12 +125,19 @@ AnyKVPool = KVPool | LayeredKVPool
 
 
 def new_kv_pool(config, num_blocks: int, block_size: int, dtype: jnp.dtype, *,
-                unroll_layers: bool) -> AnyKVPool:
+                unroll_layers: bool, mesh=None) -> AnyKVPool:
     """A zeroed pool for ``config`` (a :class:`~jaxllm.ModelConfig`) in the layout that
-    ``unroll_layers`` picks; the only place either pool type is chosen."""
+    ``unroll_layers`` picks; the only place either pool type is chosen. With ``mesh`` (tensor
+    parallel) it is made split by KV head on it, never whole on one device."""
     pool_type = LayeredKVPool if unroll_layers else KVPool
-    return pool_type.zeros(config.num_hidden_layers, num_blocks, block_size,
-                           config.num_key_value_heads, config.head_dim, dtype)
+
+    def zeros():
+        return pool_type.zeros(config.num_hidden_layers, num_blocks, block_size,
+                               config.num_key_value_heads, config.head_dim, dtype)
+
+    if mesh is None:
+        return zeros()
+    return jax.jit(zeros, out_shardings=kv_pool_shardings(jax.eval_shape(zeros), mesh))()
 
 
 def kv_block_bytes(config, block_size: int, dtype: jnp.dtype) -> int:

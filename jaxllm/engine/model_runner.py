@@ -25,7 +25,7 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.kv_pool import copy_blocks, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
-from jaxllm.parallel import kv_pool_shardings, logits_sharding
+from jaxllm.parallel import logits_sharding
 from jaxllm.sampling import (
     SamplerInput,
     SamplerOutput,
@@ -90,18 +90,13 @@ class ModelRunner:
         mesh = model.mesh  # tensor parallel: the pool is split by KV head over it
 
         # The pool's layout follows the params' (scanned or unrolled layer stack).
-        def zeroed_pool():
-            return new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
-                               unroll_layers=model.unroll_layers)
-
-        shapes = jax.eval_shape(zeroed_pool)
-        # Every program that returns the pool pins its sharding (made in place, never whole
-        # on one device).
-        self._pool_out = {} if mesh is None else {
-            "out_shardings": kv_pool_shardings(shapes, mesh)}
-        self._logits_sharding = None if mesh is None else logits_sharding(mesh, cfg)
-        self._new_pool = jax.jit(zeroed_pool, **self._pool_out)
+        self._new_pool = lambda: new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
+                                             unroll_layers=model.unroll_layers, mesh=mesh)
         self.kv_pool = self._new_pool()
+        # Every program that returns the pool pins its sharding.
+        self._pool_out = {} if mesh is None else {
+            "out_shardings": jax.tree.map(lambda x: x.sharding, self.kv_pool)}
+        self._logits_sharding = None if mesh is None else logits_sharding(mesh, cfg)
         # Executables are compiled against the pool's shapes, also while warm-up frees it.
         self._pool_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)

@@ -22,6 +22,7 @@ from jaxllm.loading.dummy import dummy_params
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
 from jaxllm.parallel import (
+    check_device_count,
     check_tensor_parallel,
     make_mesh,
     param_shardings,
@@ -97,8 +98,8 @@ class LoadedModel:
         if self.mesh is not None:
             raise ValueError(f"this model is already sharded over {self.tensor_parallel_size} "
                              "devices; load it again for another tensor-parallel size")
-        check_tensor_parallel_devices(size)
-        check_tensor_parallel(self.config, size, len(jax.local_devices()))
+        check_device_count(size)
+        check_tensor_parallel(self.config, size)
         config, mesh = tensor_parallel_config(self.config, size), make_mesh(size)
         params = replicate_kv_heads(self.params, self.config, config)
         params = jax.device_put(params, param_shardings(params, mesh, config))
@@ -152,17 +153,9 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     if tensor_parallel_size != 1:  # the size alone, before anything is opened
-        check_tensor_parallel_devices(tensor_parallel_size)
+        check_device_count(tensor_parallel_size)
     return _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
                    quantization).load(model, config)
-
-
-def check_tensor_parallel_devices(size: int) -> None:
-    devices = jax.local_devices()
-    if size < 1 or size > len(devices):
-        raise ValueError(
-            f"--tensor-parallel-size {size}: must be between 1 and the number of visible "
-            f"devices ({len(devices)} {devices[0].platform} device(s))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +203,7 @@ class _Loader:
         size = self.tensor_parallel_size
         if size == 1:
             return checkpoint, None, None
-        check_tensor_parallel(checkpoint, size, len(jax.local_devices()))
+        check_tensor_parallel(checkpoint, size)
         config, mesh = tensor_parallel_config(checkpoint, size), make_mesh(size)
         return config, mesh, lambda shapes: param_shardings(shapes, mesh, config)
 

@@ -3,7 +3,14 @@ the params and the KV pool, and the checks a tensor-parallel size must pass. The
 the same at every parallel size: sharded arrays plus XLA's collectives do the rest, and the
 attention kernels run per shard under ``jax.shard_map`` (:mod:`jaxllm.attention`)."""
 
-from jaxllm.parallel.mesh import MESH_AXES, TP_AXIS, make_mesh, mesh_of, tensor_parallel_size
+from jaxllm.parallel.mesh import (
+    MESH_AXES,
+    TP_AXIS,
+    check_device_count,
+    make_mesh,
+    mesh_of,
+    tensor_parallel_size,
+)
 from jaxllm.parallel.sharding import (
     check_tensor_parallel,
     kv_pool_shardings,
@@ -13,6 +20,6 @@ from jaxllm.parallel.sharding import (
     tensor_parallel_config,
 )
 
-__all__ = ["MESH_AXES", "TP_AXIS", "check_tensor_parallel", "kv_pool_shardings", "logits_sharding",
-           "make_mesh", "mesh_of", "param_shardings", "replicated", "tensor_parallel_config",
-           "tensor_parallel_size"]
+__all__ = ["MESH_AXES", "TP_AXIS", "check_device_count", "check_tensor_parallel",
+           "kv_pool_shardings", "logits_sharding", "make_mesh", "mesh_of", "param_shardings",
+           "replicated", "tensor_parallel_config", "tensor_parallel_size"]

@@ -13,13 +13,19 @@ TP_AXIS = "tp"
 MESH_AXES = ("dp", "pp", TP_AXIS)
 
 
-def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
-    """A (1, 1, N) mesh over the first ``tensor_parallel_size`` local devices."""
+def check_device_count(tensor_parallel_size: int, devices: list | None = None) -> None:
+    """Raises ValueError naming the flag unless 1 <= size <= the visible local devices."""
     devices = list(jax.local_devices() if devices is None else devices)
     if not 1 <= tensor_parallel_size <= len(devices):
         raise ValueError(
-            f"--tensor-parallel-size {tensor_parallel_size} needs that many devices; "
-            f"{len(devices)} {devices[0].platform if devices else ''} device(s) are visible")
+            f"--tensor-parallel-size {tensor_parallel_size}: must be between 1 and the number "
+            f"of visible devices ({len(devices)} {devices[0].platform} device(s))")
+
+
+def make_mesh(tensor_parallel_size: int, devices: list | None = None) -> Mesh:
+    """A (1, 1, N) mesh over the first ``tensor_parallel_size`` local devices."""
+    devices = list(jax.local_devices() if devices is None else devices)
+    check_device_count(tensor_parallel_size, devices)
     # Auto axes: XLA propagates the params' shardings through the unchanged model code and
     # places the collectives (explicit axes would make every op state its output sharding).
     return jax.make_mesh((1, 1, tensor_parallel_size), MESH_AXES,

@@ -43,14 +43,13 @@ _VOCAB_SPLIT = {("embed_tokens", "embedding"), ("lm_head", "kernel")}
 KV_HEAD_AXIS = 3  # of a pool array [L, blocks, block_size, Hkv, D]
 
 
-def check_tensor_parallel(config: ModelConfig, size: int, num_devices: int) -> None:
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raises ValueError naming ``--tensor-parallel-size`` when ``size`` cannot shard
-    ``config`` over the visible devices (the same rules as vLLM)."""
+    ``config`` (the same rules as vLLM; the device count is
+    :func:`jaxllm.parallel.mesh.check_device_count`'s)."""
     flag = f"--tensor-parallel-size {size}"
     if size < 1:
         raise ValueError(f"{flag}: must be >= 1")
-    if size > num_devices:
-        raise ValueError(f"{flag} exceeds the {num_devices} visible device(s)")
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         raise ValueError(
@@ -75,7 +74,7 @@ def tensor_parallel_config(config: ModelConfig, size: int) -> ModelConfig:
     is replicated ``size / Hkv`` times (as vLLM does) so that each device holds one. The
     loaders repeat the K/V projections to match (:func:`kv_head_source`); the pool holds one
     head per device."""
-    check_tensor_parallel(config, size, num_devices=size)
+    check_tensor_parallel(config, size)
     if size <= config.num_key_value_heads:
         return config
     return dataclasses.replace(config, num_key_value_heads=size)
