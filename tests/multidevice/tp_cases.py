@@ -84,12 +84,20 @@ def test_chunked_prefill_and_prefix_caching_give_the_tokens_of_one_device(name, 
     assert engine.block_manager.prefix_cache_hits > 0
 
 
+@functools.cache
+def one_device_greedy(name: str, seed: int, count: int) -> list:
+    """One device's greedy tokens for ``workload(count, seed)`` (preemption does not change
+    greedy tokens, so both preemption modes compare with one run)."""
+    prompts, max_tokens = workload(count, seed=seed)
+    return greedy(tiny_model(name), prompts, max_tokens, **SMALL_POOL)[0]
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_the_tokens_of_one_device(mode):
     tiny = tiny_model("qwen2_bias")
     prompts, max_tokens = workload(12, seed=1)
     args = SMALL_POOL | dict(preemption_mode=mode, swap_space=0.01)
-    expected, _ = greedy(tiny, prompts, max_tokens, **args)
+    expected = one_device_greedy("qwen2_bias", 1, 12)
     got, engine = greedy(tiny, prompts, max_tokens, tensor_parallel_size=2, **args)
     assert engine.scheduler.num_preemptions > 0
     assert got == expected
@@ -100,23 +108,18 @@ def test_seeded_sampling_and_generate_match_one_device():
     prompts, _ = workload(4, seed=5)
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10,
                             ignore_eos=True)
+    # n = 2: the two samples share the prompt's blocks and copy the last one on write.
+    fork = params.replace(n=2, max_tokens=6)
     outs = {}
     for tp in (1, 2):
         llm = LLM(tiny, tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32,
                   max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=160,
                   enforce_eager=True, compilation_cache_dir=None, progress=False)
-        outs[tp] = [o.outputs[0].token_ids for o in llm.generate(
-            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+        outs[tp] = [[c.token_ids for c in o.outputs] for o in llm.generate(
+            prompt_token_ids=prompts + prompts[:2],
+            sampling_params=[params] * len(prompts) + [fork] * 2, use_tqdm=False)]
     assert outs[2] == outs[1]
-    # n = 2: the two samples share the prompt's blocks and copy the last one on write.
-    fork = params.replace(n=2, max_tokens=6)
-    forked = {tp: [[c.token_ids for c in o.outputs] for o in LLM(
-        tiny, tensor_parallel_size=tp, max_num_seqs=8, max_num_batched_tokens=32,
-        max_model_len=128, block_size=BLOCK, num_gpu_blocks_override=160, enforce_eager=True,
-        compilation_cache_dir=None, progress=False).generate(
-            prompt_token_ids=prompts[:2], sampling_params=fork, use_tqdm=False)]
-        for tp in (1, 2)}
-    assert forked[2] == forked[1] and all(len(o) == 2 for o in forked[2])
+    assert [len(o) for o in outs[2]] == [1] * len(prompts) + [2, 2]
     # generate() on sharded params: its pool is split the same way; the tokens agree.
     ids = np.zeros((len(prompts), 64), np.int32)
     for i, p in enumerate(prompts):
@@ -230,14 +233,25 @@ def test_smollm2_at_tp3_gives_the_tokens_of_one_device(smollm2):
     assert np.asarray(out.tokens[0]).tolist() == expected[0]
 
 
-def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints():
+def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints(smollm2):
+    prompt, max_tokens = "The capital of France is", 6
     run = lambda *flags: subprocess.run(
-        [sys.executable, "-m", "jaxllm", "generate", "--prompt", "The capital of France is",
-         "--max-tokens", "6", "--dtype", "float32", *flags], capture_output=True, text=True,
-        timeout=600)
-    one, three, two = run(), run("-tp", "3"), run("-tp", "2")
-    assert one.returncode == 0 and three.returncode == 0, one.stderr[-2000:] + three.stderr[-2000:]
-    assert three.stdout.splitlines()[0] == one.stdout.splitlines()[0]
+        [sys.executable, "-m", "jaxllm", "generate", "--prompt", prompt,
+         "--max-tokens", str(max_tokens), "--dtype", "float32", *flags], capture_output=True,
+        text=True, timeout=600)
+    three, two = run("-tp", "3"), run("-tp", "2")
+    assert three.returncode == 0, three.stderr[-2000:]
+    # What `jaxllm generate` prints at TP 1 (its chat-templated greedy reply), computed here.
+    tokenizer = smollm2.tokenizer
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"]
+    out = jaxllm.generate(smollm2.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
+                          jax.random.key(0), config=smollm2.config, max_new_tokens=max_tokens,
+                          eos_token_ids=smollm2.config.eos_token_ids)
+    tokens = np.asarray(out.tokens[0, :int(out.num_tokens[0])]).tolist()
+    assert three.stdout.splitlines()[0] == tokenizer.decode(
+        tokens, skip_special_tokens=True).strip()
     assert two.returncode == 2 and "--tensor-parallel-size 2: the model's 9 attention heads" \
         in two.stderr and "Traceback" not in two.stderr
 
