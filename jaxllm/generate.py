@@ -133,7 +133,8 @@ def generate(
         steps=jnp.zeros((batch_size,), jnp.int32),
         banned_ids=jnp.zeros((batch_size, 0), jnp.int32),
         token_ids=jnp.zeros((batch_size, 0), jnp.int32),
-        num_prompt_tokens=jnp.full((batch_size,), prompt_width, jnp.int32))
+        num_prompt_tokens=jnp.full((batch_size,), prompt_width, jnp.int32),
+        token_bitmask=jnp.zeros((batch_size, 0), jnp.int32))
     min_tokens = as_rows(min_tokens, jnp.int32)
     eos_rows = jnp.broadcast_to(jnp.asarray(eos_token_ids, jnp.int32),
                                 (batch_size, len(eos_token_ids)))  # [B, K]

@@ -8,6 +8,8 @@ sample, padded to a bucket of R rows. The order follows vLLM V1:
 2. penalties (``use_penalties`` only): repetition over prompt + output tokens, then frequency and
    presence over output tokens;
 3. banned ids (EOS and stop token ids while fewer than ``min_tokens`` are generated) -> -inf;
+   then the grammar's token bitmask (``use_bitmask`` only; structured outputs): a token the
+   grammar does not allow -> -inf (where the two leave nothing, the grammar wins);
 4. greedy rows (temperature < 1e-5) take the argmax here;
 5. temperature, min-p, then top-k and top-p on what is left;
 6. a Gumbel-max draw with the row's own key ``fold_in(key(seed), step)``, so a seeded sequence
@@ -54,6 +56,9 @@ class SamplingMetadata:
     banned_ids: jax.Array  # i32[R, K]  ids that must not be sampled this step, -1 padded
     token_ids: jax.Array  # i32[R, P]  prompt + output ids (penalties only), -1 padded; P may be 0
     num_prompt_tokens: jax.Array  # i32[R]  how many leading token_ids are prompt
+    # i32[R, W]  W = ceil(V / 32), or 0 without constrained rows: bit j % 32 of word j // 32
+    # set = token j allowed (xgrammar's and llguidance's layout); unconstrained rows are -1.
+    token_bitmask: jax.Array
 
 
 @flax.struct.dataclass
@@ -74,6 +79,13 @@ def _row_mask(ids: jax.Array, vocab: int) -> jax.Array:  # ids i32[R, N] -> bool
     rows = jnp.arange(ids.shape[0])[:, None]  # [R, 1]
     cols = jnp.where(ids >= 0, ids, vocab)  # out of range -> dropped
     return jnp.zeros((ids.shape[0], vocab), bool).at[rows, cols].set(True, mode="drop")
+
+
+def unpack_bitmask(bitmask: jax.Array, vocab: int) -> jax.Array:  # i32[R, W] -> bool[R, V]
+    """Token j of a row is allowed where bit j % 32 of word j // 32 is set."""
+    shifts = jnp.arange(32, dtype=jnp.int32)  # [32]
+    bits = (bitmask[:, :, None] >> shifts[None, None, :]) & 1  # [R, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:  # f32[R, V]
@@ -162,7 +174,7 @@ def _top_logprobs(logits: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "num_logprobs", "use_penalties", "all_greedy", "use_top_k_top_p"))
+    "num_logprobs", "use_penalties", "all_greedy", "use_top_k_top_p", "use_bitmask"))
 def sample(
     logits: jax.Array,  # f32[R, V] (any float dtype)
     md: SamplingMetadata,
@@ -171,6 +183,7 @@ def sample(
     use_penalties: bool = False,
     all_greedy: bool = False,
     use_top_k_top_p: bool = True,
+    use_bitmask: bool = False,
 ) -> SamplerOutput:
     """Samples one token per row (see the module docstring for the order of the steps).
 
@@ -179,7 +192,8 @@ def sample(
     ``num_logprobs`` (0..20) sizes ``top_ids``/``top_logprobs``; ``use_penalties=False`` skips
     all [R, V] count work and ignores ``md.token_ids``; ``all_greedy=True`` skips the random
     path (every row must be greedy); ``use_top_k_top_p=False`` skips the vocabulary sort (no
-    random row may use top-k or top-p). The defaults are right for any rows.
+    random row may use top-k or top-p); ``use_bitmask=True`` applies ``md.token_bitmask``
+    (needed when any row is constrained). The defaults are right for any unconstrained rows.
     """
     if not 0 <= num_logprobs <= 20:
         raise ValueError(f"{num_logprobs=} must be in [0, 20]")
@@ -188,8 +202,16 @@ def sample(
     log_norm = jax.nn.logsumexp(logits, axis=-1)  # [R]  raw logprob = logit - log_norm
 
     processed = apply_penalties(logits, md) if use_penalties else logits
+    unbanned = processed
     if md.banned_ids.shape[1]:
         processed = jnp.where(_row_mask(md.banned_ids, vocab), -jnp.inf, processed)
+    if use_bitmask:
+        allowed = unpack_bitmask(md.token_bitmask, vocab)  # [R, V]
+        # A grammar that allows only what min_tokens bans (say, EOS once the JSON is done)
+        # wins: its row keeps the grammar's tokens.
+        constrained = jnp.where(allowed, processed, -jnp.inf)
+        possible = jnp.any(constrained > -jnp.inf, axis=-1, keepdims=True)  # [R, 1]
+        processed = jnp.where(possible, constrained, jnp.where(allowed, unbanned, -jnp.inf))
     greedy = md.temperature < GREEDY_TEMPERATURE  # [R]
     sampled = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # [R]
     # NOTE: these branches are static, not lax.cond: on GPU a cond reads its predicate back
@@ -239,11 +261,13 @@ def build_sampling_metadata(
     num_rows_bucket: int,
     penalty_width_bucket: int,
     banned_width: int,
+    token_bitmask: np.ndarray | None = None,
 ) -> SamplingMetadata:
     """Pads ``rows`` into numpy arrays: R = num_rows_bucket, P = penalty_width_bucket, K =
     banned_width. Padding rows are greedy with neutral penalties. With P = 0 the token ids
     are not copied (use it together with ``use_penalties=False``); they are also skipped for
-    rows whose penalties are neutral.
+    rows whose penalties are neutral. ``token_bitmask`` (i32[R, W], R = num_rows_bucket) is
+    the grammar's allowed tokens per row (use it with ``use_bitmask=True``).
     """
     num = len(rows)
     if num > num_rows_bucket:
@@ -283,6 +307,8 @@ def build_sampling_metadata(
         banned_ids=banned,
         token_ids=tokens,
         num_prompt_tokens=column([r.num_prompt_tokens for r in rows], 0, np.int32),
+        token_bitmask=(np.zeros((size, 0), np.int32) if token_bitmask is None
+                       else token_bitmask),
     )
 
 
@@ -293,6 +319,7 @@ class SampleVariant(NamedTuple):
     use_penalties: bool = False
     all_greedy: bool = False
     use_top_k_top_p: bool = True
+    use_bitmask: bool = False
 
 
 def sample_variant(rows: Sequence[SamplerInput]) -> SampleVariant:
@@ -306,7 +333,8 @@ def sample_variant(rows: Sequence[SamplerInput]) -> SampleVariant:
         use_penalties=any(needs_penalties(p) for p in params),
         all_greedy=all(p.is_greedy for p in params),
         use_top_k_top_p=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)
-                            for p in params))
+                            for p in params),
+        use_bitmask=any(p.structured_outputs is not None for p in params))
 
 
 def scalar_variant(*, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0,

@@ -3,10 +3,66 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature means greedy (as in vLLM)
 MAX_LOGPROBS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the output, as vLLM's ``structured_outputs`` names them: exactly one
+    of ``json`` (a JSON schema, as a dict or its JSON text), ``regex``, ``choice`` (the output
+    is one of these strings), ``grammar`` (Lark or GBNF/EBNF) or ``json_object`` (any JSON
+    object). The grammar engine compiles it when the request is added (jaxllm.structured)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False  # JSON: no whitespace beyond a separator's own
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):  # canonical text: hashable, and one cache key
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] if self.json_object
+                                                          else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, "
+                             f"grammar or json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object)")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured_outputs.regex must be a string")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise ValueError("structured_outputs.grammar must be a string")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty "
+                             "strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, value: Any) -> StructuredOutputsParams:
+        """From a request's ``structured_outputs`` object (unknown keys are refused)."""
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs must be an object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs: unknown field(s) {unknown}; expected "
+                             f"{sorted(names)}")
+        return cls(**{k: v for k, v in value.items() if v is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +86,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per output token, plus the chosen one
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Accept a single string / lists from callers, store tuples (hashable, frozen).
@@ -82,6 +139,9 @@ class SamplingParams:
              "stop must be a string or a list of non-empty strings")
         need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers")
+        need(self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs must be a StructuredOutputsParams")
         need(not (self.is_greedy and self.n > 1),
              f"n must be 1 when using greedy sampling, got {self.n}")
 

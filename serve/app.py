@@ -21,7 +21,8 @@ from jaxllm.serve.stats import StatsLogger
 from jaxllm.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("serve")
-OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/version"})  # no API key needed
+# No API key needed (serve/openapi.py mirrors this set).
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/version", "/openapi.json"})
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> web.Application:
@@ -41,6 +42,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> web.Application:
     app.router.add_get("/live", routes.live)
     app.router.add_get("/version", routes.version)
     app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/openapi.json", routes.openapi_json)
     app.cleanup_ctx.append(_background_tasks)
     return app
 
@@ -99,8 +101,9 @@ async def _error_envelope(request: web.Request, handler) -> web.StreamResponse:
 
 
 def _require_api_key(api_key: str | None):
-    """Bearer-token check on everything but health, liveness, version and metrics; the key's
-    SHA-256 is compared in constant time (never the key itself, never its length)."""
+    """Bearer-token check on everything but OPEN_PATHS (health, liveness, version, metrics,
+    the OpenAPI document); the key's SHA-256 is compared in constant time (never the key
+    itself, never its length)."""
     digest = hashlib.sha256(api_key.encode()).digest() if api_key else None
 
     @web.middleware

@@ -16,6 +16,8 @@ from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
 API_KEY_ENV = "JAXLLM_API_KEY"
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+CHAT_TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 MEMORY_MONITOR_ENV = "JAXLLM_MEMORY_MONITOR"
 MEMORY_MONITOR_INTERVAL_ENV = "JAXLLM_MEMORY_MONITOR_INTERVAL"
 
@@ -36,6 +38,10 @@ class ServerConfig:
     stats_interval: float = 5.0  # seconds between stats log lines (vLLM: 5)
     memory_monitor: bool = False
     memory_monitor_interval: float = 10.0
+    # Chat: a Jinja template replacing the tokenizer's (the text, read from --chat-template).
+    chat_template: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # "hermes" | "llama3_json"
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -53,6 +59,11 @@ class ServerConfig:
         need(self.memory_monitor_interval > 0,
              f"memory_monitor_interval={self.memory_monitor_interval} must be > 0")
         need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
+        need(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+             "--enable-auto-tool-choice needs --tool-call-parser")
+        need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+             f"{self.tool_call_parser!r}")
 
 
 def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
@@ -79,6 +90,14 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they "
                             "are aborted")
+    front.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template (a file, the template itself, or a bundled "
+                            f"one: {', '.join(bundled_chat_templates())}) instead of the "
+                            "tokenizer's")
+    front.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto")')
+    front.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how tool calls are read from the model's output text")
     front.add_argument("--disable-log-stats", action="store_true")
     front.add_argument("--disable-log-requests", action="store_true",
                        help="no access log line per request")
@@ -161,5 +180,28 @@ def configs_from_args(args: argparse.Namespace,
         shutdown_timeout=args.shutdown_timeout, disable_log_stats=args.disable_log_stats,
         disable_log_requests=args.disable_log_requests,
         memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
-        memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")))
+        memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),
+        chat_template=read_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
     return engine, server
+
+
+def bundled_chat_templates() -> list[str]:
+    return sorted(name.removesuffix(".jinja") for name in os.listdir(CHAT_TEMPLATES))
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a bundled template's name, a file, or the template text (vLLM takes a
+    file or the text)."""
+    if value is None:
+        return None
+    bundled = os.path.join(CHAT_TEMPLATES, value + ".jinja")
+    for path in (bundled, value):
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    if "{" in value:  # the template itself
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a template; bundled "
+                     f"templates: {', '.join(bundled_chat_templates())}")

@@ -76,17 +76,23 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 async def _admit_and_run(request: web.Request, state: ServerState, chat: bool,
                          arrival: float) -> web.StreamResponse:
     body = await read_json(request)
-    parse = parse_chat if chat else parse_completion
-    req = parse(body, vocab_size=state.vocab_size, max_n=state.max_num_seqs)
+    if chat:
+        req = parse_chat(body, vocab_size=state.vocab_size, max_n=state.max_num_seqs,
+                         auto_tools=state.config.enable_auto_tool_choice)
+    else:
+        req = parse_completion(body, vocab_size=state.vocab_size, max_n=state.max_num_seqs)
     check_model(state, req.model)
     ticket = state.admission.admit(1 if chat else len(req.prompts))
     try:
         prompts: list[Prompt] = await state.in_tokenizer_thread(
-            encode, state.tokenizer, req, state.max_model_len)
+            encode, state.tokenizer, req, state.max_model_len, state.config.chat_template)
+        if req.params.structured_outputs is not None:  # compiled here, not in the step loop
+            await state.in_tokenizer_thread(state.compile_grammar, req)
         request_id = state.new_request_id("chatcmpl" if chat else "cmpl")
         builder = ResponseBuilder(req, request_id, state.model_name,
                                   [len(p.token_ids) for p in prompts],
-                                  [p.text or "" for p in prompts], state.token_text)
+                                  [p.text or "" for p in prompts], state.token_text,
+                                  state.config.tool_call_parser)
         outputs = _outputs(state, request_id, prompts, req, ticket, arrival)
         async with contextlib.aclosing(outputs):
             if req.stream:

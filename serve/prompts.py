@@ -9,6 +9,7 @@ from typing import Any
 import jinja2
 from jaxllm.serve.errors import APIError, bad_request
 from jaxllm.serve.protocol import GenerationRequest
+from jaxllm.serve.tools import template_messages
 
 
 @dataclasses.dataclass
@@ -17,10 +18,12 @@ class Prompt:
     text: str | None  # the prompt as text (None for token-id prompts until decoded)
 
 
-def encode(tokenizer: Any, req: GenerationRequest, max_model_len: int) -> list[Prompt]:
-    """Renders / tokenizes every prompt of ``req`` and checks it against the context."""
+def encode(tokenizer: Any, req: GenerationRequest, max_model_len: int,
+           chat_template: str | None = None) -> list[Prompt]:
+    """Renders / tokenizes every prompt of ``req`` and checks it against the context.
+    ``chat_template``: the server's --chat-template, replacing the tokenizer's."""
     if req.chat:
-        prompts = [render_chat(tokenizer, req)]
+        prompts = [render_chat(tokenizer, req, chat_template)]
     else:
         prompts = [Prompt(list(p), None) if isinstance(p, list)
                    else Prompt(_tokenize(tokenizer, p, req.add_special_tokens), p)
@@ -36,12 +39,17 @@ def encode(tokenizer: Any, req: GenerationRequest, max_model_len: int) -> list[P
     return prompts
 
 
-def render_chat(tokenizer: Any, req: GenerationRequest) -> Prompt:
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request("this model has no chat template: use /v1/completions", "messages")
+def render_chat(tokenizer: Any, req: GenerationRequest,
+                chat_template: str | None = None) -> Prompt:
+    if tokenizer is None or (chat_template is None
+                             and getattr(tokenizer, "chat_template", None) is None):
+        raise bad_request("this model has no chat template: use /v1/completions "
+                          "(or serve with --chat-template)", "messages")
+    tools = [dict(t) for t in req.tools.tools] if req.tools is not None else None
     try:
         text = tokenizer.apply_chat_template(
-            req.messages, add_generation_prompt=req.add_generation_prompt,
+            template_messages(req.messages), tools=tools, chat_template=chat_template,
+            add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, tokenize=False,
             **req.chat_template_kwargs)
     except (jinja2.TemplateError, ValueError, TypeError, KeyError, IndexError) as e:

@@ -9,22 +9,28 @@ vLLM does; known OpenAI/vLLM features jaxllm lacks are refused with 400 rather t
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
 from jaxllm.serve.errors import bad_request
+from jaxllm.serve.tools import ToolRequest, parse_tools
 
-from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_STOP = 64  # stop strings / stop token ids per request
 MAX_STOP_CHARS = 256
 INT64 = 2**63
 # Fields that change the output but have no implementation here: refuse rather than ignore.
-UNSUPPORTED = ("suffix", "logit_bias", "allowed_token_ids", "bad_words", "guided_json",
-               "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-               "logits_processors", "prompt_logprobs", "prompt_embeds", "chat_template",
-               "tools", "functions")
+UNSUPPORTED = ("suffix", "logit_bias", "allowed_token_ids", "bad_words", "logits_processors",
+               "prompt_logprobs", "prompt_embeds", "chat_template", "functions",
+               "structural_tag", "guided_whitespace_pattern")
+# vLLM's older top-level structured-output fields (removed from vLLM in 0.12; still honoured
+# here, so old clients get what they asked for instead of unconstrained text).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 @dataclasses.dataclass
@@ -48,6 +54,8 @@ class GenerationRequest:
     continue_final_message: bool = False
     chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     top_logprobs: int | None = None  # chat: alternatives per token when logprobs=true
+    constraint_field: str | None = None  # where params.structured_outputs came from
+    tools: ToolRequest | None = None  # chat: tools, tool_choice, parallel_tool_calls
 
 
 class Fields:
@@ -146,16 +154,23 @@ def parse_completion(body: Any, *, vocab_size: int, max_n: int) -> GenerationReq
     if echo and logprobs is not None:
         raise bad_request("echo with logprobs needs prompt logprobs, which are not supported",
                           "echo")
+    constraint_field, constraint = structured_outputs(f) or (None, None)
     req = GenerationRequest(chat=False, model=f.str("model"), prompts=prompts, echo=echo,
                             params=_sampling(f, vocab_size, max_n, max_tokens=f.int(
-                                "max_tokens", 16), logprobs=logprobs),
-                            add_special_tokens=f.bool("add_special_tokens", True))
+                                "max_tokens", 16), logprobs=logprobs,
+                                structured=constraint),
+                            add_special_tokens=f.bool("add_special_tokens", True),
+                            constraint_field=constraint_field)
     return _common(f, req)
 
 
-def parse_chat(body: Any, *, vocab_size: int, max_n: int) -> GenerationRequest:
+def parse_chat(body: Any, *, vocab_size: int, max_n: int,
+               auto_tools: bool = False) -> GenerationRequest:
+    """``auto_tools``: the server parses tool calls from free text (--enable-auto-tool-choice
+    with a --tool-call-parser), so tool_choice "auto" is allowed."""
     f = Fields(body)
     _refuse_unsupported(f)
+    tools = parse_tools(f.body, auto_enabled=auto_tools)
     messages = parse_messages(f.raw("messages"))
     top = f.int("top_logprobs", None)
     want_logprobs = f.bool("logprobs", False)
@@ -167,22 +182,24 @@ def parse_chat(body: Any, *, vocab_size: int, max_n: int) -> GenerationRequest:
     max_tokens = f.int("max_completion_tokens", None)
     if max_tokens is None:
         max_tokens = f.int("max_tokens", None)
-    response_format = f.object("response_format")
-    if response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than 'text' is not supported",
-                          "response_format")
-    if f.raw("tool_choice", "none") not in ("none", "auto"):
-        raise bad_request("tool_choice other than 'none' is not supported", "tool_choice")
     kwargs = f.object("chat_template_kwargs")
     if any(not isinstance(k, str) or k in RESERVED_TEMPLATE_KWARGS for k in kwargs) or any(
             not isinstance(v, (str, int, float, bool)) for v in kwargs.values()):
         raise bad_request("chat_template_kwargs takes template variables with string, number "
                           f"or boolean values (not {sorted(RESERVED_TEMPLATE_KWARGS)})",
                           "chat_template_kwargs")
+    constraint_field, constraint = structured_outputs(f) or (None, None)
+    if tools is not None and tools.constraint is not None:
+        if constraint is not None:
+            raise bad_request(f'tool_choice "{tools.choice}" constrains the output itself: it '
+                              f"cannot be combined with {constraint_field}", constraint_field)
+        constraint_field, constraint = "tool_choice", tools.constraint
     req = GenerationRequest(
-        chat=True, model=f.str("model"), messages=messages,
+        chat=True, tools=tools, model=f.str("model"), messages=messages,
+        constraint_field=constraint_field,
         params=_sampling(f, vocab_size, max_n, max_tokens=max_tokens,
-                         logprobs=(top or 0) if want_logprobs else None),
+                         logprobs=(top or 0) if want_logprobs else None,
+                         structured=constraint),
         top_logprobs=(top or 0) if want_logprobs else None,
         add_special_tokens=f.bool("add_special_tokens", False),
         add_generation_prompt=f.bool("add_generation_prompt", True),
@@ -224,8 +241,66 @@ def _flag(options: dict, name: str) -> bool:
     return value
 
 
+def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
+    """(the field it came from, the request's output constraint): OpenAI's
+    ``response_format``, vLLM's ``structured_outputs``, or one of the older ``guided_*``
+    fields; at most one of them."""
+    found: list[tuple[str, dict]] = []
+    response_format = f.object("response_format")
+    kind = response_format.get("type", "text")
+    if kind == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("response_format.json_schema must be an object with a 'schema'",
+                              "response_format")
+        schema = spec.get("schema", spec.get("json_schema"))
+        if schema is None:
+            found.append(("response_format", {"json_object": True}))
+        elif not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON schema "
+                              "object", "response_format")
+        else:
+            found.append(("response_format", {"json": schema}))
+    elif kind != "text":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or "
+                          f"'json_schema', got {kind!r}"[:200], "response_format")
+    if f.present("structured_outputs"):
+        found.append(("structured_outputs", f.object("structured_outputs")))
+    for name, key in GUIDED_FIELDS.items():
+        if f.present(name):
+            found.append((name, {key: f.raw(name)}))
+    backend = f.raw("guided_decoding_backend", "auto")
+    if backend not in GRAMMAR_BACKENDS:
+        raise bad_request(f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)} "
+                          f"(this server's grammar engine is llguidance), got {backend!r}"[:200],
+                          "guided_decoding_backend")
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request("only one output constraint may be given, got "
+                          f"{', '.join(name for name, _ in found)}", found[1][0])
+    name, value = found[0]
+    if name in GUIDED_FIELDS and name != "guided_choice" and name != "guided_json" \
+            and not isinstance(value[GUIDED_FIELDS[name]], str):
+        raise bad_request(f"{name} must be a string", name)
+    if name == "guided_json" and isinstance(value["json"], str):
+        try:
+            value = {"json": json.loads(value["json"])}
+        except ValueError:
+            raise bad_request("guided_json must be a JSON schema (an object or its JSON "
+                              "text)", name) from None
+    try:
+        return name, StructuredOutputsParams.from_dict(value)
+    except (ValueError, TypeError) as e:
+        raise bad_request(f"{name}: {e}" if not str(e).startswith("structured_outputs")
+                          else str(e), name) from None
+
+
 def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,
-              logprobs: int | None) -> SamplingParams:
+              logprobs: int | None,
+              structured: StructuredOutputsParams | None = None) -> SamplingParams:
     n = f.int("n", 1)
     if n is not None and n > max_n:
         raise bad_request(f"n={n} exceeds the server's limit of {max_n} (max_num_seqs)", "n")
@@ -244,7 +319,8 @@ def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,
         include_stop_str_in_output=f.bool("include_stop_str_in_output", False),
         ignore_eos=f.bool("ignore_eos", False), max_tokens=max_tokens,
         min_tokens=f.int("min_tokens", 0), logprobs=logprobs,
-        skip_special_tokens=f.bool("skip_special_tokens", True))
+        skip_special_tokens=f.bool("skip_special_tokens", True),
+        structured_outputs=structured)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
@@ -323,8 +399,32 @@ def parse_messages(value: Any) -> list[dict]:
         clean = {"role": role, "content": content}
         if isinstance(message.get("name"), str):
             clean["name"] = message["name"]
+        if role == "assistant" and message.get("tool_calls"):
+            clean["tool_calls"] = _tool_calls(i, message["tool_calls"])
+        if role == "tool" and message.get("tool_call_id") is not None:
+            if not isinstance(message["tool_call_id"], str):
+                raise bad_request(f"messages[{i}].tool_call_id must be a string", "messages")
+            clean["tool_call_id"] = message["tool_call_id"]
         messages.append(clean)
     return messages
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's earlier tool calls, as OpenAI sends them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list", "messages")
+    clean = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments", ""), str)):
+            raise bad_request(f"{where}: each call needs function.name and function.arguments "
+                              "(a JSON string)", "messages")
+        clean.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": function["name"],
+                                   "arguments": function.get("arguments", "")}})
+    return clean
 
 
 def _json_type(value: Any) -> str:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from jaxllm.serve.protocol import GenerationRequest
+from jaxllm.serve.tools import ToolOutput
 
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
 
@@ -49,12 +50,13 @@ class _Choice:
 class ResponseBuilder:
     """Bodies for one request of ``len(prompt_lens)`` prompts with ``n`` samples each.
 
-    ``token_text(id)`` gives a token's text for logprobs; ``prompt_texts`` the prompts for echo.
+    ``token_text(id)`` gives a token's text for logprobs; ``prompt_texts`` the prompts for echo;
+    ``tool_call_parser`` reads tool calls from text when the request lets the model choose.
     """
 
     def __init__(self, req: GenerationRequest, request_id: str, model: str,
                  prompt_lens: list[int], prompt_texts: list[str],
-                 token_text: Callable[[int], str]):
+                 token_text: Callable[[int], str], tool_call_parser: str | None = None):
         self.req = req
         self.id = request_id
         self.model = model
@@ -65,6 +67,9 @@ class ResponseBuilder:
         self._token_text = token_text
         self.choices = [_Choice() for _ in range(len(prompt_lens) * self.n)]
         self.object = "chat.completion" if req.chat else "text_completion"
+        calls_tools = req.chat and req.tools is not None and req.tools.choice != "none"
+        self.tools = [ToolOutput(req.tools, tool_call_parser) if calls_tools else None
+                      for _ in self.choices]
 
     # ----------------------------------------------------------------- non-streaming
     def full(self, finals: dict[int, RequestOutput]) -> dict:
@@ -83,13 +88,17 @@ class ResponseBuilder:
         logprobs = self._logprobs(self.choices[index], out.token_ids[:known],
                                   out.logprobs[:known] if out.logprobs is not None else None)
         choice = {"index": index}
-        if self.req.chat:
+        finish = out.finish_reason or "abort"
+        tool = self.tools[index]
+        if tool is not None:
+            choice["message"] = tool.message(out.text)
+            finish = tool.finish_reason(finish)
+        elif self.req.chat:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             echo = self.prompt_texts[prompt_index] if self.req.echo else ""
             choice["text"] = echo + out.text
-        choice.update(logprobs=logprobs, finish_reason=out.finish_reason or "abort",
-                      stop_reason=out.stop_reason)
+        choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=out.stop_reason)
         return choice
 
     def usage(self) -> dict:
@@ -124,7 +133,12 @@ class ResponseBuilder:
             state.num_tokens = known
             finish = out.finish_reason or ("abort" if output.finished else None)
             want_logprobs = out.logprobs is not None and bool(new_tokens)
-            if not text and finish is None and not want_logprobs:
+            tool = self.tools[index]
+            pieces = [{"content": text}] if text else []
+            if tool is not None:
+                pieces = tool.deltas(out.text, finish is not None)
+                finish = tool.finish_reason(finish)
+            if not pieces and finish is None and not want_logprobs:
                 continue  # nothing to show yet (text held back, or an empty prefill step)
             logprobs = None
             if out.logprobs is not None:
@@ -136,14 +150,20 @@ class ResponseBuilder:
                 state.started = True
                 if self.req.echo:
                     text = self.prompt_texts[prompt_index] + text
-            if self.req.chat:
-                choice = {"index": index, "delta": {"content": text}}
-            else:
-                choice = {"index": index, "text": text}
-            choice.update(logprobs=logprobs, finish_reason=finish,
-                          stop_reason=out.stop_reason if finish else None)
             state.finished = finish is not None
-            chunks.append(self._chunk(choice, index))
+            if not self.req.chat:
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": finish,
+                          "stop_reason": out.stop_reason if finish else None}
+                chunks.append(self._chunk(choice, index))
+                continue
+            pieces = pieces or [{"content": ""}]
+            for j, delta in enumerate(pieces):  # the last one carries the finish reason
+                last = j == len(pieces) - 1
+                chunks.append(self._chunk({
+                    "index": index, "delta": delta, "logprobs": logprobs if j == 0 else None,
+                    "finish_reason": finish if last else None,
+                    "stop_reason": out.stop_reason if finish and last else None}, index))
         return chunks
 
     def usage_chunk(self) -> dict:

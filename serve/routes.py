@@ -1,10 +1,12 @@
-"""The small endpoints: health, liveness, version, models, tokenize, detokenize, metrics."""
+"""The small endpoints: health, liveness, version, models, tokenize, detokenize, metrics,
+openapi.json."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from jaxllm.serve.errors import APIError, bad_request
 from jaxllm.serve.generation import STATE, check_model, read_json
+from jaxllm.serve.openapi import openapi_document
 from jaxllm.serve.prompts import render_chat
 from jaxllm.serve.protocol import Fields, GenerationRequest, check_token_ids, parse_messages
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -89,6 +91,12 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request("this model has no tokenizer", "tokens")
     text = await state.in_tokenizer_thread(state.tokenizer.decode, ids)
     return web.json_response({"prompt": text})
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(openapi_document(state.model_names, jaxllm.__version__,
+                                              auth=state.config.api_key is not None))
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -11,8 +11,9 @@ import uuid
 from typing import Any
 
 from jaxllm.serve.args import ServerConfig
-from jaxllm.serve.errors import APIError, overloaded
+from jaxllm.serve.errors import APIError, bad_request, overloaded
 from jaxllm.serve.metrics import Metrics
+from jaxllm.serve.protocol import GenerationRequest
 from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -62,6 +63,7 @@ class ServerState:
         self.max_model_len: int = llm.config.max_model_len
         self.max_num_seqs: int = llm.config.max_num_seqs
         self.vocab_size: int = llm.model.config.vocab_size
+        self._grammars = llm.structured  # thread-safe compiler cache, shared with the engine
         self.model_names = config.served_model_name or (llm.config.model or llm.model.name,)
         self.model_name = self.model_names[0]
         self.created = int(time.time())
@@ -165,6 +167,16 @@ class ServerState:
     async def in_tokenizer_thread(self, fn: Any, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_pool, functools.partial(fn, *args))
+
+    def compile_grammar(self, req: GenerationRequest) -> None:
+        """Compiles the request's output constraint (tokenizer thread); 400 if it cannot."""
+        if self._grammars is None:
+            raise bad_request("structured outputs need a model with a tokenizer",
+                              req.constraint_field)
+        try:
+            self._grammars.compile(req.params.structured_outputs)
+        except ValueError as e:
+            raise bad_request(str(e), req.constraint_field) from None
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 - one state per server, lives as long
     def token_text(self, token_id: int) -> str:

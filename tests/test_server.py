@@ -289,8 +289,8 @@ BAD_INPUTS = [
      "BadRequestError"),
     ("template kwarg tokenize", CHAT, {"messages": MSG, "chat_template_kwargs":
                                        {"tokenize": True}}, 400, "BadRequestError"),
-    ("json response_format", CHAT, {"messages": MSG, "response_format":
-                                    {"type": "json_object"}}, 400, "BadRequestError"),
+    ("unknown response_format", CHAT, {"messages": MSG, "response_format":
+                                       {"type": "yaml"}}, 400, "BadRequestError"),
     ("tokenize nothing", "/tokenize", {}, 400, "BadRequestError"),
     ("detokenize negative", "/detokenize", {"tokens": [-5]}, 400, "BadRequestError"),
     ("detokenize past vocab", "/detokenize", {"tokens": [10**7]}, 400, "BadRequestError"),

@@ -29,6 +29,7 @@ from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, S
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.sampling import SamplerInput, needs_penalties
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 # A launched step: what was scheduled, its device result, each sample row's token position.
@@ -48,6 +49,7 @@ class EngineStats:
     output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
     update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
     device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
+    bitmask_seconds: float = 0.0  # grammar bitmasks of constrained rows (within prepare)
 
     @property
     def host_seconds(self) -> float:
@@ -136,6 +138,8 @@ class LLMEngine:
             max_num_batched_tokens=max_batched, max_model_len=max_model_len,
             attention_backend=backend, bucket_table_width=backend == "reference")
         self.eos_token_ids = tuple(model.config.eos_token_ids)
+        self.structured = None if self.tokenizer is None else StructuredOutputs(
+            GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
@@ -173,6 +177,10 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is out of vocabulary (vocab size {vocab})")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError("priority other than 0 needs --scheduling-policy priority")
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs needs a model with a tokenizer")
+            self.structured.compile(params.structured_outputs)  # cached; raises if bad
         banned = self._banned_ids(params)
         if params.min_tokens and len(banned) > BANNED_WIDTH:
             raise ValueError(f"min_tokens with more than {BANNED_WIDTH} stop/EOS token ids is "
@@ -215,7 +223,10 @@ class LLMEngine:
         from the device), and step k's tokens are then checked, detokenized and turned into
         outputs while step k+1 computes. Outputs therefore trail the device by one step and a
         request that stops costs one wasted token. Steps with repetition/presence/frequency
-        penalties run synchronously (the sampler must see the previous token).
+        penalties run synchronously (the sampler must see the previous token). A step with
+        constrained rows (structured outputs) launches its forward first, completes step k
+        while it runs (the grammars consume step k's tokens), then fills the constrained
+        rows' bitmask and launches its sampler.
         """
         stats = self.stats
         outputs: list[RequestOutput] = []
@@ -227,18 +238,36 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
+        completed = 0.0
         if out.scheduled:
             rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
-            pending = self.runner.dispatch(out, rows, previous[1] if previous else None)
+            prev_step = previous[1] if previous else None
+            constrained = [r for r, row in enumerate(out.sample_rows)
+                           if row.group.params.structured_outputs is not None]
+            if constrained:
+                launched = self.runner.launch_forward(out, prev_step)
+            else:
+                pending = self.runner.dispatch(out, rows, prev_step)
             positions = []
             for r, row in enumerate(out.sample_rows):  # their ids are known after the step
                 positions.append(len(row.seq.token_ids))
                 row.seq.pending[positions[-1]] = r
                 row.seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if constrained:
+                # The grammars must see the previous step's tokens: take them while this
+                # step's forward runs, then build the bitmask and launch the sampler.
+                if previous is not None:
+                    start = time.perf_counter()
+                    outputs += self._complete(previous)
+                    previous, completed = None, time.perf_counter() - start
+                start = time.perf_counter()
+                bitmask = self._token_bitmask(out, constrained, launched.shape.num_seqs)
+                stats.bitmask_seconds += time.perf_counter() - start
+                pending = self.runner.launch_sampler(launched, rows, bitmask)
             self._inflight = (out, pending, positions)
         t2 = time.perf_counter()
         stats.schedule_seconds += t1 - t0
-        stats.prepare_seconds += t2 - t1
+        stats.prepare_seconds += t2 - t1 - completed
         if previous is not None:
             outputs += self._complete(previous)
         elif self._inflight is None:
@@ -265,6 +294,17 @@ class LLMEngine:
         stats.update_seconds += t2 - t1
         stats.output_seconds += time.perf_counter() - t2
         return outputs
+
+    def _token_bitmask(self, out: SchedulerOutput, constrained: list[int],
+                       num_rows: int) -> np.ndarray:
+        """i32[num_rows, W]: the grammar's allowed tokens for the constrained sample rows."""
+        jobs = []
+        for r in constrained:
+            seq, group = out.sample_rows[r].seq, out.sample_rows[r].group
+            if not seq.status.is_finished:  # finished by the step just completed: no mask
+                jobs.append((r, seq.seq_id, group.params.structured_outputs,
+                             seq.known_output_token_ids))
+        return self.structured.fill_bitmask(jobs, num_rows)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
@@ -308,12 +348,19 @@ class LLMEngine:
             status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
         elif num_output >= seq.output_limit:
             status = SequenceStatus.FINISHED_LENGTH
+        # A stop token's text is not output (unless asked for); a grammar's last token is.
+        stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
+        spec = params.structured_outputs
+        if spec is not None and self.structured.accept(
+                seq.seq_id, spec, token, seq.token_ids[seq.num_prompt_tokens:pos]) \
+                and status is None:
+            status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             del seq.token_ids[pos + 1:]  # a placeholder of the step in flight, if any
             seq.pending.clear()
             seq.stop_reason = stop_reason
             self.scheduler.finish_seq(seq, status)
-        self._pending_text.append((seq, group, token, status == SequenceStatus.FINISHED_STOPPED))
+        self._pending_text.append((seq, group, token, stopped_by_token))
 
     def _emit_outputs(self) -> list[RequestOutput]:
         """Detokenizes the last step's tokens, applies stop strings, builds outputs."""
@@ -350,6 +397,9 @@ class LLMEngine:
             reason = seq.status.finish_reason or "abort"
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self._groups.pop(group.request_id, None)
+        if self.structured is not None and group.params.structured_outputs is not None:
+            for seq in group.seqs:
+                self.structured.free(seq.seq_id)
         return RequestOutput.from_group(group, self._prompts.pop(group.request_id, None))
 
     def _account(self, out: SchedulerOutput) -> None:

@@ -70,6 +70,14 @@ class PendingStep:
                           np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchedForward:
+    """A launched forward whose sampler is not launched yet."""
+
+    logits: jax.Array  # f32[rows bucket, V] on the device
+    shape: StepShape
+
+
 def _pad_to_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -191,9 +199,12 @@ class ModelRunner:
         exe = self._sample_exe.get(key)
         if exe is None:
             rows, width, variant = key
-            logits = jax.ShapeDtypeStruct((rows, self.config.vocab_size), jnp.float32,
+            vocab = self.config.vocab_size
+            logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32,
                                           sharding=self._logits_sharding)
-            md = build_sampling_metadata([], rows, width, BANNED_WIDTH)
+            bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if variant.use_bitmask \
+                else None
+            md = build_sampling_metadata([], rows, width, BANNED_WIDTH, bitmask)
             exe = self._sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe
             self._count_compilation(exe)
@@ -213,24 +224,40 @@ class ModelRunner:
         """Packs and launches one step without waiting for the device (JAX dispatch is
         asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens
         (``Sequence.pending``) are taken from ``prev``'s samples on the device."""
+        return self.launch_sampler(self.launch_forward(out, prev), rows)
+
+    def launch_forward(self, out: SchedulerOutput,
+                       prev: PendingStep | None = None) -> LaunchedForward:
+        """The first half of ``dispatch``: block moves, packing, the forward. The sampler is
+        launched apart when its inputs need the host to see ``prev``'s tokens first (the
+        grammar bitmask of constrained rows)."""
         self._apply_block_moves(out)
         batch, shape, prev_rows = self.pack(out)
         if prev_rows is not None and prev is None:
             raise ValueError("placeholder tokens need the step that samples them")
-        variant = sample_variant(rows)
-        # Logprob counts round up to the maximum: one variant instead of twenty.
-        variant = variant._replace(num_logprobs=MAX_LOGPROBS if variant.num_logprobs else 0)
-        md = build_sampling_metadata(
-            rows, shape.num_seqs,
-            _pad_to_power_of_two(penalty_width(rows)) if variant.use_penalties else 0,
-            BANNED_WIDTH)
         prev_tokens = prev.tokens if prev_rows is not None else self._no_prev_tokens
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
         logits, self.kv_pool = self._forward_executable(shape)(
             self.model.params, self.kv_pool, batch, prev_tokens, prev_rows)
+        return LaunchedForward(logits, shape)
+
+    def launch_sampler(self, launched: LaunchedForward, rows: Sequence[SamplerInput],
+                       token_bitmask: np.ndarray | None = None) -> PendingStep:
+        """The second half of ``dispatch``: samples the forward's logits. ``token_bitmask``
+        (i32[rows bucket, W]) is required when a row is constrained."""
+        shape = launched.shape
+        variant = sample_variant(rows)
+        # Logprob counts round up to the maximum: one variant instead of twenty.
+        variant = variant._replace(num_logprobs=MAX_LOGPROBS if variant.num_logprobs else 0)
+        if variant.use_bitmask and token_bitmask is None:
+            raise ValueError("constrained rows need a token bitmask")
+        md = build_sampling_metadata(
+            rows, shape.num_seqs,
+            _pad_to_power_of_two(penalty_width(rows)) if variant.use_penalties else 0,
+            BANNED_WIDTH, token_bitmask if variant.use_bitmask else None)
         exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
-        result, tokens = exe(logits, md)
+        result, tokens = exe(launched.logits, md)
         self.num_steps += 1
         return PendingStep(result, tokens, shape)
 
