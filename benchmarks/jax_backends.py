@@ -30,10 +30,20 @@ def _planned_peak(held: int | None, temp: int) -> dict:
     return {"planned_peak_bytes": held + temp, "held_bytes": held, "max_step_temp_bytes": temp}
 
 
+# What --structured-fraction constrains requests to: open-ended (free strings in a list), so
+# a request usually runs to its output length, and every token is a grammar step.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "score": {"type": "number"}},
+    "required": ["title", "tags"]}
+
+
 def run_jaxllm(model, requests: list[Request], args) -> dict:
     from tqdm.auto import tqdm
 
     from jaxllm import EngineConfig, LLMEngine, SamplingParams
+    from jaxllm.sampling_params import StructuredOutputsParams
 
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -48,7 +58,10 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     # back, no per-step partial output for every running request.
     engine.stream_outputs = False
     phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
-              "device_wait_seconds")
+              "device_wait_seconds", "bitmask_seconds")
+    fraction = getattr(args, "structured_fraction", 0.0)
+    constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    every = round(1 / fraction) if fraction else 0  # every k-th request is constrained
     before = {p: getattr(engine.stats, p) for p in phases} | {"steps": engine.stats.num_steps}
     kv_before = engine_usage(engine.stats)
     held = device_bytes_in_use()  # weights and pool, before the clock
@@ -57,10 +70,12 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
             total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
         start = time.perf_counter()
         for i, r in enumerate(requests):
+            constrained = bool(every) and i % every == 0
             engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids),
-                               params=SamplingParams(n=args.n, temperature=1.0,
-                                                     max_tokens=r.output_len, ignore_eos=True,
-                                                     seed=i))
+                               params=SamplingParams(
+                                   n=args.n, temperature=1.0, max_tokens=r.output_len,
+                                   ignore_eos=True, seed=i,
+                                   structured_outputs=constraint if constrained else None))
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:  # what the engine produced, not what was asked
@@ -78,6 +93,8 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
             **(engine_usage(s) - kv_before).as_dict(),
             "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
             "stream_outputs": engine.stream_outputs,
+            "structured_requests": sum(1 for i in range(len(requests))
+                                       if every and i % every == 0),
             "warm_up_s": getattr(engine, "warm_up_seconds", None),
             **memory.result(MEMORY_SOURCE),
             **_planned_peak(held, engine.runner.max_step_temp_bytes),
