@@ -237,12 +237,14 @@ def run_one(backend: str, args) -> dict:
 
 
 def load_tokenizer_file(path: str, eos_token_ids) -> object:
-    """A fast tokenizer from a tokenizer.json, its EOS set to the model's first EOS id."""
+    """A fast tokenizer from a tokenizer.json, its EOS set to the model's first EOS id when
+    the tokenizer has it."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=path)
-    if eos_token_ids:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_token_ids[0]))
+    known = [t for t in eos_token_ids if t < len(tokenizer)]
+    if known:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(known[0]))
     return tokenizer
 
 

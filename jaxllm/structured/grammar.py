@@ -88,9 +88,11 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 import llguidance.hf
 
+                # The model's EOS ids that the tokenizer knows (a model may pair with another
+                # tokenizer, as the benchmarks' dummy presets do); else the tokenizer's own.
+                known = [t for t in self.eos_token_ids if t < len(self._hf_tokenizer)]
                 self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size,
-                    eos_token=list(self.eos_token_ids) or None)
+                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=known or None)
             return self._ll_tokenizer
 
     def _compile(self, spec: StructuredOutputsParams) -> str:
