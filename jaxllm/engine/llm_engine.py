@@ -303,7 +303,7 @@ class LLMEngine:
             seq, group = out.sample_rows[r].seq, out.sample_rows[r].group
             if not seq.status.is_finished:  # finished by the step just completed: no mask
                 jobs.append((r, seq.seq_id, group.params.structured_outputs,
-                             seq.known_output_token_ids))
+                             lambda seq=seq: seq.known_output_token_ids))
         return self.structured.fill_bitmask(jobs, num_rows)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
@@ -352,7 +352,7 @@ class LLMEngine:
         stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
         spec = params.structured_outputs
         if spec is not None and self.structured.accept(
-                seq.seq_id, spec, token, seq.token_ids[seq.num_prompt_tokens:pos]) \
+                seq.seq_id, spec, token, lambda: seq.token_ids[seq.num_prompt_tokens:pos]) \
                 and status is None:
             status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:

@@ -43,6 +43,9 @@ BANNED_WIDTH = 8  # EOS + stop_token_ids banned below min_tokens; more ids are r
 # Compiled at warm-up for every row bucket: all greedy, plain random, random with top-k/top-p.
 WARM_SAMPLER_VARIANTS = (SampleVariant(all_greedy=True, use_top_k_top_p=False),
                          SampleVariant(use_top_k_top_p=False), SampleVariant())
+# ... and, when the model has a tokenizer (structured outputs possible), the same three with
+# a grammar bitmask: compiled mid-run, each would stall the step loop for a compilation.
+WARM_BITMASK_VARIANTS = tuple(v._replace(use_bitmask=True) for v in WARM_SAMPLER_VARIANTS)
 
 
 @dataclasses.dataclass
@@ -162,7 +165,8 @@ class ModelRunner:
         jobs = [(self._forward_executable, shape) for shape in self.buckets.all_shapes()]
         jobs += [(self._sampler_executable, (rows, 0, variant))
                  for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})
-                 for variant in WARM_SAMPLER_VARIANTS]
+                 for variant in WARM_SAMPLER_VARIANTS + (
+                     WARM_BITMASK_VARIANTS if self.model.tokenizer is not None else ())]
         # The pool is released while compiling: XLA's GEMM autotuner allocates operand-sized
         # scratch buffers (a stacked weight is GBs), one set per compiling thread.
         jax.tree.map(lambda x: x.delete(), self.kv_pool)

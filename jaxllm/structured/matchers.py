@@ -10,7 +10,7 @@ catch up on tokens already generated, so forks and preempted sequences need no s
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -41,23 +41,25 @@ class StructuredOutputs:
         return len(self._matchers)
 
     def _matcher(self, seq_id: int, spec: StructuredOutputsParams,
-                 output_token_ids: Sequence[int]):
+                 output_token_ids: Callable[[], Sequence[int]]):
         matcher = self._matchers.get(seq_id)
         if matcher is None:
             import llguidance
 
             matcher = llguidance.LLMatcher(self.compiler.ll_tokenizer,
                                            self.compiler.compile(spec))
-            if output_token_ids:
-                matcher.consume_tokens(list(output_token_ids))
+            done = list(output_token_ids())
+            if done:
+                matcher.consume_tokens(done)
             self._matchers[seq_id] = matcher
         return matcher
 
     def fill_bitmask(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
-                                               Sequence[int]]],
+                                               Callable[[], Sequence[int]]]],
                      num_rows: int) -> np.ndarray:
         """i32[num_rows, W]: the allowed tokens of each constrained row, -1 (all allowed)
-        elsewhere. ``rows``: (row, seq_id, spec, output tokens so far) per constrained row."""
+        elsewhere. ``rows``: (row, seq_id, spec, the output tokens so far) per constrained
+        row; the tokens are asked for only when a matcher has to be made (a fork, a restart)."""
         import llguidance
         import llguidance.numpy
 
@@ -72,7 +74,7 @@ class StructuredOutputs:
         return bitmask
 
     def accept(self, seq_id: int, spec: StructuredOutputsParams, token: int,
-               output_token_ids: Sequence[int]) -> bool:
+               output_token_ids: Callable[[], Sequence[int]]) -> bool:
         """Feeds a sampled token to the sequence's matcher; True when the grammar is complete
         (nothing may follow but EOS), so the sequence can stop. ``output_token_ids`` are the
         tokens before ``token`` (used only if the matcher has to be made)."""
