@@ -58,7 +58,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     # back, no per-step partial output for every running request.
     engine.stream_outputs = False
     phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
-              "device_wait_seconds", "bitmask_seconds")
+              "device_wait_seconds", "bitmask_seconds", "bitmask_fill_seconds")
     fraction = getattr(args, "structured_fraction", 0.0)
     constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     every = round(1 / fraction) if fraction else 0  # every k-th request is constrained

@@ -7,11 +7,13 @@ engine drives it from one thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 import jax
@@ -49,7 +51,8 @@ class EngineStats:
     output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
     update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
     device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
-    bitmask_seconds: float = 0.0  # grammar bitmasks of constrained rows (within prepare)
+    bitmask_seconds: float = 0.0  # grammar bitmasks on the critical path (within prepare)
+    bitmask_fill_seconds: float = 0.0  # filling them, on the bitmask thread (overlapped)
 
     @property
     def host_seconds(self) -> float:
@@ -140,6 +143,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
+        self._bitmask_thread = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-bitmask")
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
@@ -255,13 +259,18 @@ class LLMEngine:
                 row.seq.token_ids.append(PLACEHOLDER_TOKEN)
             if constrained:
                 # The grammars must see the previous step's tokens: take them while this
-                # step's forward runs, then build the bitmask and launch the sampler.
+                # step's forward runs; the bitmask is filled beside the detokenization.
+                filling = []
+                start_fill = lambda: filling.append(self._start_bitmask(
+                    out, constrained, launched.shape.num_seqs))
                 if previous is not None:
                     start = time.perf_counter()
-                    outputs += self._complete(previous)
+                    outputs += self._complete(previous, before_emit=start_fill)
                     previous, completed = None, time.perf_counter() - start
+                else:
+                    start_fill()
                 start = time.perf_counter()
-                bitmask = self._token_bitmask(out, constrained, launched.shape.num_seqs)
+                bitmask = filling[0].result()
                 stats.bitmask_seconds += time.perf_counter() - start
                 pending = self.runner.launch_sampler(launched, rows, bitmask)
             self._inflight = (out, pending, positions)
@@ -277,8 +286,10 @@ class LLMEngine:
             self._inflight = None
         return outputs
 
-    def _complete(self, inflight: _InFlight) -> list[RequestOutput]:
-        """Waits for a launched step, records its tokens, and emits outputs."""
+    def _complete(self, inflight: _InFlight,
+                  before_emit: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Waits for a launched step, records its tokens, and emits outputs (``before_emit``
+        runs between the two: the tokens are in, the text is not)."""
         out, pending, positions = inflight
         t0 = time.perf_counter()
         result = pending.wait()
@@ -286,6 +297,8 @@ class LLMEngine:
         for r, row in enumerate(out.sample_rows):
             self._fill_token(row.seq, row.group, result, r, positions[r])
         self._account(out)
+        if before_emit is not None:
+            before_emit()
         t2 = time.perf_counter()
         outputs = self._emit_outputs()
         stats = self.stats
@@ -295,16 +308,27 @@ class LLMEngine:
         stats.output_seconds += time.perf_counter() - t2
         return outputs
 
-    def _token_bitmask(self, out: SchedulerOutput, constrained: list[int],
-                       num_rows: int) -> np.ndarray:
-        """i32[num_rows, W]: the grammar's allowed tokens for the constrained sample rows."""
-        jobs = []
+    def _start_bitmask(self, out: SchedulerOutput, constrained: list[int],
+                       num_rows: int) -> concurrent.futures.Future:
+        """Starts filling the constrained sample rows' bitmask (i32[num_rows, W]) on the
+        bitmask thread; the matchers are looked up (or made) here, on the engine thread."""
+        start = time.perf_counter()
+        rows = []
         for r in constrained:
             seq, group = out.sample_rows[r].seq, out.sample_rows[r].group
             if not seq.status.is_finished:  # finished by the step just completed: no mask
-                jobs.append((r, seq.seq_id, group.params.structured_outputs,
+                rows.append((r, seq.seq_id, group.params.structured_outputs,
                              lambda seq=seq: seq.known_output_token_ids))
-        return self.structured.fill_bitmask(jobs, num_rows)
+        jobs = self.structured.jobs(rows)
+        self.stats.bitmask_seconds += time.perf_counter() - start
+
+        def fill() -> np.ndarray:
+            begin = time.perf_counter()
+            bitmask = self.structured.fill(jobs, num_rows)
+            self.stats.bitmask_fill_seconds += time.perf_counter() - begin
+            return bitmask
+
+        return self._bitmask_thread.submit(fill)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params

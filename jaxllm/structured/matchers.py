@@ -58,14 +58,23 @@ class StructuredOutputs:
                                                Callable[[], Sequence[int]]]],
                      num_rows: int) -> np.ndarray:
         """i32[num_rows, W]: the allowed tokens of each constrained row, -1 (all allowed)
-        elsewhere. ``rows``: (row, seq_id, spec, the output tokens so far) per constrained
-        row; the tokens are asked for only when a matcher has to be made (a fork, a restart)."""
+        elsewhere: ``fill(jobs(rows), num_rows)``."""
+        return self.fill(self.jobs(rows), num_rows)
+
+    def jobs(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
+                                        Callable[[], Sequence[int]]]]) -> list:
+        """The matchers of ``rows`` (row, seq_id, spec, the output tokens so far), made where
+        missing (the tokens are asked for only then: a fork, a restart). Engine thread."""
+        return [(self._matcher(seq_id, spec, outputs), row)
+                for row, seq_id, spec, outputs in rows]
+
+    def fill(self, jobs: list, num_rows: int) -> np.ndarray:
+        """Fills the jobs' rows (llguidance works outside the GIL, on its own threads), so it
+        may run beside the engine thread as long as that thread leaves these matchers be."""
         import llguidance
         import llguidance.numpy
 
         bitmask = np.full((num_rows, self.width), -1, np.int32)
-        jobs = [(self._matcher(seq_id, spec, outputs), row)
-                for row, seq_id, spec, outputs in rows]
         if not jobs:
             return bitmask
         if self._executor is None:
