@@ -383,7 +383,8 @@ class ShadowKV:
 
 @pytest.mark.parametrize(
     "num_ops, caching, algo",
-    [(100_000, True, "builtin"), (10_000, True, "sha256"), (10_000, False, "builtin")],
+    # 40k operations reach every operation thousands of times (100k took 37 s of make test).
+    [(40_000, True, "builtin"), (10_000, True, "sha256"), (10_000, False, "builtin")],
 )
 def test_random_operations_keep_every_sequence_reading_its_own_tokens(num_ops, caching, algo):
     rng = random.Random(20240601)
