@@ -10,7 +10,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxllm pallas_kernels serve tests benchmarks
-	$(PYTHON) -m pytest -n 2 --dist loadfile tests
+	$(PYTHON) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 $(STAMP): pyproject.toml scripts/python312.sh
 	test -x $(PYTHON) || $$(scripts/python312.sh) -m venv $(VENV)

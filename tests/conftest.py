@@ -56,6 +56,20 @@ SMOLLM2_ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_
                            compilation_cache_dir=None)
 
 
+# `make test` runs files on two workers (--dist loadfile), in this order
+# (--no-loadscope-reorder; xdist would otherwise queue files by test count, which put the
+# single-test tensor-parallel file, ~190 s, last and left one core idle at the end). The
+# longest files, as measured on 2 cores, go first; the rest fill in behind them.
+LONGEST_FILES_FIRST = ("test_paged_attention_kernels.py", "test_tensor_parallel.py",
+                       "test_notebooks.py", "test_bench_commands.py", "test_engine.py",
+                       "test_model_invariants.py", "test_server.py", "test_generate.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     import jaxllm
