@@ -1,7 +1,8 @@
 """What agent frameworks send, through the official ``openai`` client against a live server of
-the real SmolLM2 (CPU): JSON-schema responses that always validate (sampled at temperature 1,
-streamed or not), regex and choice constraints, tool calls with every ``tool_choice``, a
-multi-turn exchange with a tool result, and bad constraints refused with 400."""
+the real SmolLM2 (CPU): JSON-schema responses that always validate (a set of schemas sampled
+at temperature 1, streamed or not), regex and choice constraints, tool calls with every
+``tool_choice``, a multi-turn exchange with a tool result, and bad constraints refused with
+400."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from conftest import assert_engine_idle
 from jaxllm.serve.args import ServerConfig, read_chat_template
 from jaxllm.serve.protocol import parse_chat
 from jaxllm.serve.server import BackgroundServer
+from test_structured_outputs import SCHEMAS
 
 from jaxllm import AsyncLLMEngine
 
@@ -62,14 +64,16 @@ def person_format():
 
 
 def test_json_schema_responses_validate_at_temperature_1(client):
-    messages = [{"role": "user", "content": "Describe a person as JSON."}]
-    for seed in range(2):
+    messages = [{"role": "user", "content": "Describe it as JSON."}]
+    for seed, schema in enumerate([PERSON, *SCHEMAS]):
         out = client.chat.completions.create(
             model=MODEL, messages=messages, temperature=1.0, seed=seed, max_tokens=60,
-            n=2, response_format=person_format())
+            n=2 if schema is PERSON else 1,
+            response_format={"type": "json_schema", "json_schema": {"name": "x",
+                                                                    "schema": schema}})
         for choice in out.choices:
             assert choice.finish_reason == "stop"
-            jsonschema.validate(json.loads(choice.message.content), PERSON)
+            jsonschema.validate(json.loads(choice.message.content), schema)
     # Streamed: the concatenated deltas are the same document, and valid.
     stream = client.chat.completions.create(
         model=MODEL, messages=messages, temperature=1.0, seed=7, max_tokens=60, stream=True,
