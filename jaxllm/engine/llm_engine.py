@@ -328,7 +328,12 @@ class LLMEngine:
             self.stats.bitmask_fill_seconds += time.perf_counter() - begin
             return bitmask
 
-        return self._bitmask_thread.submit(fill)
+        future = self._bitmask_thread.submit(fill)
+        # Hand the GIL over now: the fill thread needs it only to enter llguidance (which then
+        # releases it), and would otherwise wait out the switch interval behind the
+        # detokenization that runs next on this thread.
+        time.sleep(0)
+        return future
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
