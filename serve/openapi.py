@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from jaxllm.serve import protocol
+from jaxllm.serve import constraints, protocol
 from jaxllm.serve.errors import ERROR_TYPES
 from jaxllm.serve.protocol import INT64, MAX_STOP
 from jaxllm.serve.tools import MAX_TOOLS
@@ -112,7 +112,7 @@ CONSTRAINTS = {  # at most one of these per request (400 otherwise)
     "guided_choice": array(string(minLength=1), minItems=1, deprecated=True,
                            description="Use structured_outputs.choice."),
     "guided_grammar": string("Use structured_outputs.grammar.", deprecated=True),
-    "guided_decoding_backend": {"enum": list(protocol.GRAMMAR_BACKENDS), "default": "auto",
+    "guided_decoding_backend": {"enum": list(constraints.GRAMMAR_BACKENDS), "default": "auto",
                                 "description": "The grammar engine is always llguidance."},
 }
 

@@ -9,10 +9,10 @@ vLLM does; known OpenAI/vLLM features jaxllm lacks are refused with 400 rather t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from typing import Any
 
+from jaxllm.serve.constraints import structured_outputs
 from jaxllm.serve.errors import bad_request
 from jaxllm.serve.tools import ToolRequest, parse_tools
 
@@ -26,11 +26,6 @@ INT64 = 2**63
 UNSUPPORTED = ("suffix", "logit_bias", "allowed_token_ids", "bad_words", "logits_processors",
                "prompt_logprobs", "prompt_embeds", "chat_template", "functions",
                "structural_tag", "guided_whitespace_pattern")
-# vLLM's older top-level structured-output fields (removed from vLLM in 0.12; still honoured
-# here, so old clients get what they asked for instead of unconstrained text).
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
-GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
 
 
 @dataclasses.dataclass
@@ -239,63 +234,6 @@ def _flag(options: dict, name: str) -> bool:
     if not isinstance(value, bool):
         raise bad_request(f"stream_options.{name} must be a boolean", "stream_options")
     return value
-
-
-def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
-    """(the field it came from, the request's output constraint): OpenAI's
-    ``response_format``, vLLM's ``structured_outputs``, or one of the older ``guided_*``
-    fields; at most one of them."""
-    found: list[tuple[str, dict]] = []
-    response_format = f.object("response_format")
-    kind = response_format.get("type", "text")
-    if kind == "json_object":
-        found.append(("response_format", {"json_object": True}))
-    elif kind == "json_schema":
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, dict):
-            raise bad_request("response_format.json_schema must be an object with a 'schema'",
-                              "response_format")
-        schema = spec.get("schema", spec.get("json_schema"))
-        if schema is None:
-            found.append(("response_format", {"json_object": True}))
-        elif not isinstance(schema, dict):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema "
-                              "object", "response_format")
-        else:
-            found.append(("response_format", {"json": schema}))
-    elif kind != "text":
-        raise bad_request(f"response_format.type must be 'text', 'json_object' or "
-                          f"'json_schema', got {kind!r}"[:200], "response_format")
-    if f.present("structured_outputs"):
-        found.append(("structured_outputs", f.object("structured_outputs")))
-    for name, key in GUIDED_FIELDS.items():
-        if f.present(name):
-            found.append((name, {key: f.raw(name)}))
-    backend = f.raw("guided_decoding_backend", "auto")
-    if backend not in GRAMMAR_BACKENDS:
-        raise bad_request(f"guided_decoding_backend must be one of {list(GRAMMAR_BACKENDS)} "
-                          f"(this server's grammar engine is llguidance), got {backend!r}"[:200],
-                          "guided_decoding_backend")
-    if not found:
-        return None
-    if len(found) > 1:
-        raise bad_request("only one output constraint may be given, got "
-                          f"{', '.join(name for name, _ in found)}", found[1][0])
-    name, value = found[0]
-    if name in GUIDED_FIELDS and name != "guided_choice" and name != "guided_json" \
-            and not isinstance(value[GUIDED_FIELDS[name]], str):
-        raise bad_request(f"{name} must be a string", name)
-    if name == "guided_json" and isinstance(value["json"], str):
-        try:
-            value = {"json": json.loads(value["json"])}
-        except ValueError:
-            raise bad_request("guided_json must be a JSON schema (an object or its JSON "
-                              "text)", name) from None
-    try:
-        return name, StructuredOutputsParams.from_dict(value)
-    except (ValueError, TypeError) as e:
-        raise bad_request(f"{name}: {e}" if not str(e).startswith("structured_outputs")
-                          else str(e), name) from None
 
 
 def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,

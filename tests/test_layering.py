@@ -69,6 +69,13 @@ def test_scheduler_side_of_the_engine_imports_no_jax():
         assert not {m for m in mods if m.split(".")[0] in {"jax", "flax"}}, name
 
 
+def test_structured_outputs_are_host_side_only():
+    # Grammars and bitmasks are built on the host; the sampler applies them on the device.
+    for path in (ROOT / "jaxllm" / "structured").rglob("*.py"):
+        mods = modules_imported_by(path)
+        assert not {m for m in mods if m.split(".")[0] in {"jax", "flax"}}, path
+
+
 def test_models_reach_kernels_only_through_the_attention_dispatch():
     for path in (ROOT / "jaxllm" / "models").rglob("*.py"):
         assert "pallas_kernels" not in path.read_text(), path
