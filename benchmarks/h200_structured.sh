@@ -9,7 +9,9 @@
 #             bash benchmarks/h200_structured.sh wait 480
 #   call 2+:  bash benchmarks/h200_structured.sh wait 560
 # Needs llguidance and the tokenizer in .gpu_deps/ (carried; nothing installs there):
-#   cp -r .venv/lib/python3.12/site-packages/llguidance .gpu_deps/ and the tokenizer.json
+#   cp -r .venv/lib/python3.12/site-packages/llguidance{,-1.9.1.dist-info} .gpu_deps/ (the
+#   dist-info too: llguidance reads its version from it), carried with carry=[".gpu_deps"],
+#   and the tokenizer.json
 #   from `python -m jaxllm.benchmarks.export_tokenizer .gpu_deps/smollm2_tokenizer.json`.
 MODEL=${MODEL:-llama-3-8b}; DTYPE=${DTYPE:-bfloat16}; PY=${PY:-python3}; N=${N:-1000}
 RANDOM_WL=${RANDOM_WORKLOAD:---dataset-name random --input-len 512 --output-len 128}
