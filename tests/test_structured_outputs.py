@@ -152,7 +152,7 @@ def test_bitmask_bits_are_the_grammars_tokens(smollm2):
                                smollm2.config.eos_token_ids)
     outputs = StructuredOutputs(compiler)
     spec = StructuredOutputsParams(choice=["yes", "no"])
-    mask = outputs.fill_bitmask([(1, 7, spec, list)], num_rows=3)
+    mask = outputs.fill(outputs.jobs([(1, 7, spec, list)]), num_rows=3)
     vocab = smollm2.config.vocab_size
     allowed = np.asarray(unpack_bitmask(jnp.asarray(mask), vocab))
     assert allowed[0].all() and allowed[2].all()  # unconstrained rows

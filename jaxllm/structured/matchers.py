@@ -1,7 +1,7 @@
 """Per-sequence grammar state and each step's token bitmask (host side, no jax).
 
 The engine keeps one matcher per constrained sequence (n > 1: one per sample), fed every token
-the sequence samples. Before a step's sampler runs, ``fill_bitmask`` writes the allowed tokens
+the sequence samples. Before a step's sampler runs, ``fill(jobs(rows))`` writes the allowed tokens
 of its constrained rows (llguidance fills rows in parallel, outside the GIL); unconstrained
 rows stay all-ones. Matchers are made on first use from the request's compiled grammar and
 catch up on tokens already generated, so forks and preempted sequences need no special case.
@@ -53,13 +53,6 @@ class StructuredOutputs:
                 matcher.consume_tokens(done)
             self._matchers[seq_id] = matcher
         return matcher
-
-    def fill_bitmask(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
-                                               Callable[[], Sequence[int]]]],
-                     num_rows: int) -> np.ndarray:
-        """i32[num_rows, W]: the allowed tokens of each constrained row, -1 (all allowed)
-        elsewhere: ``fill(jobs(rows), num_rows)``."""
-        return self.fill(self.jobs(rows), num_rows)
 
     def jobs(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
                                         Callable[[], Sequence[int]]]]) -> list:
