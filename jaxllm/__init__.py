@@ -24,7 +24,12 @@ from jaxllm.batch import BatchMetadata, SeqChunk, SeqChunks, pack_batch
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
 from jaxllm.engine.sequence import SequenceStatus
 from jaxllm.errors import JaxLLMError, ModelLoadError, UnsupportedModelError
 from jaxllm.generate import GenerateOutput, generate
@@ -33,13 +38,15 @@ from jaxllm.llm import LLM
 from jaxllm.loading import LoadedModel, default_model_path, load_model
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models import make_forward
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "LLM", "AsyncLLMEngine", "CompletionOutput", "EngineConfig", "EngineDeadError", "LLMEngine",
-    "RequestOutput", "SamplingParams", "SequenceStatus",
+    "LLM", "AsyncLLMEngine", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+    "EngineConfig", "EngineDeadError", "LLMEngine", "PoolingParams", "RequestOutput",
+    "SamplingParams", "SequenceStatus",
     "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LayeredKVPool", "LoadedModel",
     "ModelConfig", "ModelLoadError", "RopeScaling", "SeqChunk", "SeqChunks",
     "UnsupportedModelError", "__version__", "default_model_path", "generate", "load_model",

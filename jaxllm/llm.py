@@ -8,8 +8,9 @@ from typing import Any
 
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.loading import LoadedModel
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | dict
@@ -47,7 +48,21 @@ class LLM:
         """Generates for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``);
         outputs come back in prompt order."""
         items = self._normalise(prompts, prompt_token_ids)
-        params = self._per_prompt(sampling_params, len(items))
+        params = self._per_prompt(sampling_params, len(items), SamplingParams)
+        return self._add_and_run(items, params, priority, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt] | None = None,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              prompt_token_ids: Sequence[Sequence[int]] | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``outputs.embedding``), pooled from the model's final
+        hidden states (:class:`PoolingParams`: last token or mean, normalized by default);
+        batched with any other work in the engine, in prompt order."""
+        items = self._normalise(prompts, prompt_token_ids)
+        params = self._per_prompt(pooling_params, len(items), PoolingParams)
+        return self._add_and_run(items, params, None, use_tqdm)
+
+    def _add_and_run(self, items, params, priority, use_tqdm: bool) -> list:
         priorities = list(priority) if priority is not None else [0] * len(items)
         if len(priorities) != len(items):
             raise ValueError(f"got {len(priorities)} priorities for {len(items)} prompts")
@@ -82,11 +97,11 @@ class LLM:
         return self.generate(prompt_token_ids=token_ids, sampling_params=sampling_params,
                              use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         from tqdm.auto import tqdm
 
         wanted = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                   unit="req") as bar:
             while len(finished) < len(wanted):
@@ -125,12 +140,12 @@ class LLM:
         return items
 
     @staticmethod
-    def _per_prompt(params, count: int) -> list[SamplingParams]:
+    def _per_prompt(params, count: int, kind: type) -> list:
         if params is None:
-            return [SamplingParams()] * count
-        if isinstance(params, SamplingParams):
+            return [kind()] * count
+        if isinstance(params, kind):
             return [params] * count
         params = list(params)
-        if len(params) != count:
-            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        if len(params) != count or not all(isinstance(p, kind) for p in params):
+            raise ValueError(f"give one {kind.__name__} or a list of {count} (one per prompt)")
         return params

@@ -11,7 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from jaxllm.serve import generation, routes
+from jaxllm.serve import embeddings, generation, routes
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.errors import APIError, error_response
 from jaxllm.serve.generation import CLIENT_GONE, STATE
@@ -34,6 +34,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> web.Application:
     app[STATE] = state
     app.router.add_post("/v1/completions", generation.completions)
     app.router.add_post("/v1/chat/completions", generation.chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings.embeddings)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)
     app.router.add_post("/tokenize", routes.tokenize)

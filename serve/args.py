@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
+from jaxllm.pooling_params import PoolingParams
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
 API_KEY_ENV = "JAXLLM_API_KEY"
@@ -42,6 +44,8 @@ class ServerConfig:
     chat_template: str | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
+    # /v1/embeddings: how a prompt's hidden states become its embedding (--pooler-config).
+    pooler_config: PoolingParams = PoolingParams()
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -98,6 +102,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                        help='let the model decide when to call tools (tool_choice "auto")')
     front.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how tool calls are read from the model's output text")
+    front.add_argument("--pooler-config", default=None, type=parse_pooler_config,
+                       metavar="JSON",
+                       help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", '
+                            '"normalize": true}\' (default: LAST, normalized)')
     front.add_argument("--disable-log-stats", action="store_true")
     front.add_argument("--disable-log-requests", action="store_true",
                        help="no access log line per request")
@@ -183,8 +191,22 @@ def configs_from_args(args: argparse.Namespace,
         memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser)
+        tool_call_parser=args.tool_call_parser,
+        pooler_config=args.pooler_config or PoolingParams())
     return engine, server
+
+
+def parse_pooler_config(text: str) -> PoolingParams:
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise ValueError("it must be a JSON object")
+        unknown = set(value) - {"pooling_type", "normalize"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)} (known: pooling_type, normalize)")
+        return PoolingParams(**value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--pooler-config: {e}") from None
 
 
 def bundled_chat_templates() -> list[str]:

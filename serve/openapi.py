@@ -367,6 +367,10 @@ def paths(model_names: Sequence[str]) -> dict:
         "/v1/chat/completions": {"post": generation(
             "Chat completion", "ChatCompletionRequest", "ChatCompletion",
             "ChatCompletionChunk")},
+        "/v1/embeddings": {"post": operation(
+            "Embeddings of the inputs (pooled as the server's --pooler-config says)",
+            json_body(ref("EmbeddingList")), tag="OpenAI", body=ref("EmbeddingRequest"),
+            errors=(400, 404, 413, 429, 500, 503))},
         "/v1/models": {"get": operation("The served models", json_body(ref("ModelList")),
                                         tag="OpenAI")},
         "/v1/models/{model}": {"get": operation("One served model", json_body(ref("Model")),
@@ -408,6 +412,37 @@ def tokenize_schemas(model_names: Sequence[str]) -> dict:
     }
 
 
+def embedding_schemas(model_names: Sequence[str]) -> dict:
+    ids = array(TOKEN_ID, minItems=1)
+    number_list = array({"type": "number"})
+    return {
+        "EmbeddingRequest": request({
+            "input": {"anyOf": [string(minLength=1), ids, array(
+                {"anyOf": [string(minLength=1), ids]}, minItems=1,
+                maxItems=protocol.MAX_PROMPTS)], "description": "One embedding per string "
+                      "or token id list."},
+            "model": common(model_names)["model"],
+            "encoding_format": {"enum": ["float", "base64"], "default": "float",
+                                "description": "base64: little-endian float32 bytes."},
+            "normalize": boolean(None, "L2-normalize (default: the server's "
+                                       "--pooler-config)"),
+            "priority": common(model_names)["priority"],
+            "truncate_prompt_tokens": common(model_names)["truncate_prompt_tokens"],
+            "add_special_tokens": boolean(True), "user": string(),
+        }, ["input"], description="dimensions and messages are refused (400)."),
+        "EmbeddingList": obj({
+            "id": string(), "object": {"const": "list"}, "created": {"type": "integer"},
+            "model": string(),
+            "data": array(obj({"object": {"const": "embedding"}, "index": {"type": "integer"},
+                               "embedding": {"anyOf": [number_list, string()]}},
+                              ["object", "index", "embedding"])),
+            "usage": obj({"prompt_tokens": {"type": "integer"},
+                          "total_tokens": {"type": "integer"}},
+                         ["prompt_tokens", "total_tokens"])},
+            ["object", "data", "model", "usage"]),
+    }
+
+
 def openapi_document(model_names: Sequence[str], version: str, *, auth: bool = False) -> dict:
     """The document for a server serving ``model_names``; ``auth``: it runs with --api-key
     (without one no route asks for a key, and a fuzzer would flag a declared one)."""
@@ -420,7 +455,8 @@ def openapi_document(model_names: Sequence[str], version: str, *, auth: bool = F
             "schemas": {"CompletionRequest": completion_request(model_names),
                         "ChatCompletionRequest": chat_request(model_names),
                         **message_schemas(), **tool_schemas(), **constraint_schemas(),
-                        **tokenize_schemas(model_names), **response_schemas()},
+                        **tokenize_schemas(model_names), **embedding_schemas(model_names),
+                        **response_schemas()},
             "responses": error_responses(),
             "securitySchemes": {"bearerAuth": {
                 "type": "http", "scheme": "bearer",

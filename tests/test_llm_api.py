@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_engine_idle
+from test_server_agents import EMBEDDED, FITS, PARITY
 
 import jaxllm
 from jaxllm import LLM, AsyncLLMEngine, EngineDeadError, SamplingParams
@@ -165,3 +166,11 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead(smollm2, m
     finally:
         engine.shutdown()
     assert not engine.is_running
+
+
+def test_mean_pooling_matches_hugging_face(llm):
+    prompts = [{"prompt_token_ids": PARITY[EMBEDDED["names"][i]]["prompt_ids"]} for i in FITS]
+    outs = llm.embed(prompts, jaxllm.PoolingParams("MEAN", normalize=False), use_tqdm=False)
+    for i, out in zip(FITS, outs, strict=True):
+        np.testing.assert_allclose(out.outputs.embedding, EMBEDDED["mean"][i], rtol=1e-3,
+                                   atol=2e-3)

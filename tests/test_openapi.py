@@ -16,12 +16,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from jaxllm.serve import app as app_module
 from jaxllm.serve import openapi
 from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.embeddings import parse_embedding, response_body
 from jaxllm.serve.errors import ERROR_TYPES, APIError, error_body
 from jaxllm.serve.protocol import UNSUPPORTED, GenerationRequest, parse_chat, parse_completion
 from jaxllm.serve.responses import ResponseBuilder
 
 import jaxllm
-from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+)
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 MODEL = "smol"
@@ -203,17 +210,25 @@ COMPLETION_SAMPLES = SAMPLING_SAMPLES | {
     "prompt": {"prompt": ["a", [1, 2]]}, "echo": {"echo": True}, "logprobs": {"logprobs": 0},
     "add_special_tokens": {"add_special_tokens": False},
 }
-PARSERS = {  # samples, a minimal body, the parser, fields refused besides UNSUPPORTED
+EMBEDDING_SAMPLES = {
+    "input": {"input": ["a", [1, 2]]}, "model": {"model": MODEL},
+    "encoding_format": {"encoding_format": "base64"}, "normalize": {"normalize": False},
+    "priority": {"priority": 1}, "truncate_prompt_tokens": {"truncate_prompt_tokens": 4},
+    "add_special_tokens": {"add_special_tokens": False}, "user": {"user": "u"},
+}
+PARSERS = {  # samples, a minimal body, the parser, the fields it refuses
     "ChatCompletionRequest": (CHAT_SAMPLES, {"messages": USER}, lambda body: parse_chat(
-        body, vocab_size=VOCAB, max_n=4, auto_tools=True), ()),
+        body, vocab_size=VOCAB, max_n=4, auto_tools=True), UNSUPPORTED),
     "CompletionRequest": (COMPLETION_SAMPLES, {"prompt": "hi"}, lambda body: parse_completion(
-        body, vocab_size=VOCAB, max_n=4), ("use_beam_search",)),
+        body, vocab_size=VOCAB, max_n=4), (*UNSUPPORTED, "use_beam_search")),
+    "EmbeddingRequest": (EMBEDDING_SAMPLES, {"input": "hi"}, lambda body: parse_embedding(
+        body, vocab_size=VOCAB, pooler=PoolingParams()), ("dimensions", "messages")),
 }
 
 
 @pytest.mark.parametrize("name", PARSERS)
 def test_documented_request_fields_are_the_ones_the_parser_accepts(name):
-    samples, base, parse, also_refused = PARSERS[name]
+    samples, base, parse, refused = PARSERS[name]
     schema = DOC["components"]["schemas"][name]
     assert set(schema["properties"]) == set(samples)
     for field, fragment in samples.items():
@@ -223,7 +238,7 @@ def test_documented_request_fields_are_the_ones_the_parser_accepts(name):
         if field not in schema["required"]:  # null counts as absent, in both
             parse(base | {field: None})
             assert valid(name, base | {field: None}), field
-    for field in (*UNSUPPORTED, *also_refused):
+    for field in refused:
         assert field not in schema["properties"]
         assert field in schema["description"]
         with pytest.raises(APIError):
@@ -305,3 +320,14 @@ def test_response_bodies_match_the_documented_shapes(chat):
               *streamer.deltas(0, output("ab", [5, 6], "stop")), streamer.usage_chunk()]
     for chunk in chunks:
         assert valid(kind + "Chunk", chunk), chunk
+
+
+def test_embedding_response_matches_the_documented_shape():
+    outs = [EmbeddingRequestOutput(str(i), None, [1, 2], EmbeddingOutput([0.6, -0.8]), True,
+                                   None) for i in range(2)]
+    for encoding in ("float", "base64"):
+        req = parse_embedding({"input": ["a", [1, 2]], "encoding_format": encoding},
+                              vocab_size=VOCAB, pooler=PoolingParams())
+        body = response_body("embd-1", MODEL, req, [[1, 2], [3]], outs)
+        assert valid("EmbeddingList", body), body
+        assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 3}

@@ -7,11 +7,14 @@ at temperature 1, streamed or not), regex and choice constraints, tool calls wit
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
+import numpy as np
 import openai
 import pytest
+import requests
 from conftest import assert_engine_idle
 from jaxllm.serve.args import ServerConfig, read_chat_template
 from jaxllm.serve.protocol import parse_chat
@@ -186,3 +189,54 @@ def test_auto_tool_choice_needs_the_servers_parser():
     with pytest.raises(Exception, match="requires --enable-auto-tool-choice"):
         parse_chat(body, vocab_size=100, max_n=4)
     assert parse_chat(body, vocab_size=100, max_n=4, auto_tools=True).tools.choice == "auto"
+
+
+EMBEDDED = np.load(os.path.join(os.path.dirname(__file__), "fixtures", "smollm2_embeddings.npz"))
+PARITY = {p["name"]: p for p in json.load(open(os.path.join(
+    os.path.dirname(__file__), "fixtures", "smollm2_parity.json")))["prompts"]}
+# The prompts that fit the shared engine's 256-token context.
+FITS = [i for i, name in enumerate(EMBEDDED["names"]) if PARITY[name]["num_prompt_tokens"] < 256]
+
+
+def unit(v):
+    v = np.asarray(v, np.float64)
+    return v / np.linalg.norm(v)
+
+
+def test_embeddings_match_hugging_face_through_the_openai_client(client):
+    """Last-token pooling (the server's default), normalized; the client asks for base64 and
+    decodes it; the same request in floats gives the same numbers."""
+    texts = [PARITY[EMBEDDED["names"][i]]["text"] for i in FITS]
+    got = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in got.data] == list(range(len(texts)))
+    assert got.usage.prompt_tokens == sum(PARITY[EMBEDDED["names"][i]]["num_prompt_tokens"]
+                                          for i in FITS)
+    for i, item in zip(FITS, got.data, strict=True):
+        assert len(item.embedding) == 576
+        np.testing.assert_allclose(unit(item.embedding), unit(EMBEDDED["last"][i]), atol=2e-4)
+    floats = client.embeddings.create(model=MODEL, input=PARITY["short_en"]["prompt_ids"],
+                                      encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, got.data[0].embedding, atol=1e-6)
+
+
+BAD_EMBEDDINGS = [
+    ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": [[]]}, "input"),
+    ({"input": [1, -2]}, "input"), ({"input": [[49152]]}, "input"),
+    ({"input": "hi", "dimensions": 8}, "dimensions"),
+    ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "word " * 300}, "input_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_EMBEDDINGS, ids=[b[1] + str(i) for i, b in
+                                                             enumerate(BAD_EMBEDDINGS)])
+def test_bad_embedding_requests_get_400(server, smollm2_llm, body, param):
+    response = requests.post(server.url + "/v1/embeddings", json={"model": MODEL, **body},
+                             timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "BadRequestError", error
+    assert smollm2_llm.engine.get_num_unfinished_requests() == 0
+    unknown = requests.post(server.url + "/v1/embeddings", json={"model": "x", "input": "hi"},
+                            timeout=60)
+    assert unknown.status_code == 404

@@ -12,6 +12,8 @@ import pytest
 from jaxllm.serve.args import ServerConfig, build_parser, configs_from_args
 from jaxllm.serve.stats import LeakWatch
 
+from jaxllm.pooling_params import PoolingParams
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -43,6 +45,19 @@ def test_vllm_flags_map_onto_the_engine_config():
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
     assert configs("-tp", "2")[0].tensor_parallel_size == 2
     assert configs("-q", "int8")[0].quantization == "int8"
+    assert server.pooler_config == PoolingParams("LAST", normalize=True)
+    assert configs("--pooler-config", '{"pooling_type": "mean", "normalize": false}')[1] \
+        .pooler_config == PoolingParams("MEAN", normalize=False)
+
+
+@pytest.mark.parametrize("value, message", [
+    ('{"pooling_type": "CLS"}', "pooling_type must be one of LAST, MEAN"),
+    ('{"pooling": "MEAN"}', "unknown keys"), ("MEAN", "--pooler-config"),
+])
+def test_bad_pooler_config_is_refused_by_the_parser(value, message, capsys):
+    with pytest.raises(SystemExit):
+        configs("--pooler-config", value)
+    assert message in capsys.readouterr().err
 
 
 def test_api_key_and_memory_monitor_come_from_the_environment():

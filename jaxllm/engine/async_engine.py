@@ -18,6 +18,7 @@ from typing import Any
 
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -63,10 +64,11 @@ class AsyncLLMEngine:
 
     # ----------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt: str | None = None,
-                       params: SamplingParams | None = None, *,
+                       params: SamplingParams | PoolingParams | None = None, *,
                        prompt_token_ids: list[int] | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative RequestOutputs until the request finishes. Raises ValueError
+        """Yields cumulative RequestOutputs until the request finishes (an embedding request,
+        ``PoolingParams``: one EmbeddingRequestOutput when it does). Raises ValueError
         for bad input (before anything is queued) and EngineDeadError if the engine dies.
         Closing the iterator early (client gone) aborts the request."""
         if self.dead_error is not None:

@@ -22,13 +22,15 @@ import numpy as np
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.kv_sizing import plan_kv_blocks
 from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
-from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.loading import LoadedModel, load_model
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import SamplerInput, needs_penalties
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
@@ -144,6 +146,7 @@ class LLMEngine:
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
         self._bitmask_thread = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-bitmask")
+        self.embeddings = EmbeddingRequests()
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
@@ -161,12 +164,18 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None = None,
-                    params: SamplingParams | None = None, *,
+                    params: SamplingParams | PoolingParams | None = None, *,
                     prompt_token_ids: SequenceABC[int] | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> SequenceGroup:
-        """Queues one request; raises ValueError with a clear message on bad input."""
+        """Queues one request: generation (SamplingParams) or an embedding (PoolingParams);
+        raises ValueError with a clear message on bad input."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            # The prompt's last position is a sample row whose pooled hidden state becomes
+            # the embedding; its token is dropped.
+            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         params = params or SamplingParams()
         if prompt_token_ids is None:
             if prompt is None:
@@ -193,9 +202,14 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), tokens, index=0, seed=seed)
         seq.output_limit = min(params.max_tokens or self.config.max_model_len,
                                self.config.max_model_len - len(tokens))
-        group = SequenceGroup(request_id, [seq], params, arrival_time, priority)
+        group = SequenceGroup(request_id, [seq], params, arrival_time, priority,
+                              reads_every_position=pooling is not None
+                              and pooling.needs_every_position)
         self.scheduler.add(group)  # raises RequestRejectedError (a ValueError) if it can't fit
-        self._attach_detokenizer(seq, params)
+        if pooling is not None:
+            self.embeddings.add(request_id, seq.seq_id, pooling)
+        else:
+            self._attach_detokenizer(seq, params)
         self._groups[request_id] = group
         self._prompts[request_id] = prompt
         if needs_penalties(params):
@@ -248,10 +262,11 @@ class LLMEngine:
             prev_step = previous[1] if previous else None
             constrained = [r for r, row in enumerate(out.sample_rows)
                            if row.group.params.structured_outputs is not None]
+            pooling = self.embeddings.in_step(out)
             if constrained:
-                launched = self.runner.launch_forward(out, prev_step)
+                launched = self.runner.launch_forward(out, prev_step, pooling)
             else:
-                pending = self.runner.dispatch(out, rows, prev_step)
+                pending = self.runner.dispatch(out, rows, prev_step, pooling)
             positions = []
             for r, row in enumerate(out.sample_rows):  # their ids are known after the step
                 positions.append(len(row.seq.token_ids))
@@ -294,9 +309,20 @@ class LLMEngine:
         t0 = time.perf_counter()
         result = pending.wait()
         t1 = time.perf_counter()
+        embeddings = self.embeddings
+        embeddings.record(out, result)
+        num_embedded = 0
         for r, row in enumerate(out.sample_rows):
-            self._fill_token(row.seq, row.group, result, r, positions[r])
-        self._account(out)
+            seq = row.seq
+            if seq.seq_id in embeddings:  # an embedding request: no token, it is done
+                seq.pending.pop(positions[r], None)
+                del seq.token_ids[positions[r]:]
+                embeddings.finish(seq.seq_id, result, r, seq.num_prompt_tokens)
+                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+                num_embedded += 1
+            else:
+                self._fill_token(seq, row.group, result, r, positions[r])
+        self._account(out, num_embedded)
         if before_emit is not None:
             before_emit()
         t2 = time.perf_counter()
@@ -418,7 +444,7 @@ class LLMEngine:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                      params)
 
-    def _finish_group(self, group: SequenceGroup) -> RequestOutput:
+    def _finish_group(self, group: SequenceGroup) -> RequestOutput | EmbeddingRequestOutput:
         group.metrics.finished_time = time.monotonic()
         if needs_penalties(group.params) and group.request_id in self._groups:
             self._num_penalty_requests -= 1
@@ -429,14 +455,17 @@ class LLMEngine:
         if self.structured is not None and group.params.structured_outputs is not None:
             for seq in group.seqs:
                 self.structured.free(seq.seq_id)
-        return RequestOutput.from_group(group, self._prompts.pop(group.request_id, None))
+        prompt = self._prompts.pop(group.request_id, None)
+        if self.embeddings.is_embedding(group.request_id):
+            return self.embeddings.output(group, prompt)
+        return RequestOutput.from_group(group, prompt)
 
-    def _account(self, out: SchedulerOutput) -> None:
+    def _account(self, out: SchedulerOutput, num_embedded: int) -> None:
         stats = self.stats
         for item in out.scheduled:
             end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
             stats.prompt_tokens += max(0, end - item.start)
-        stats.generation_tokens += len(out.sample_rows)
+        stats.generation_tokens += len(out.sample_rows) - num_embedded
         bm = self.block_manager
         stats.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
         for group in self.scheduler.running:

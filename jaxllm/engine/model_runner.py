@@ -25,6 +25,7 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.kv_pool import copy_blocks, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
+from jaxllm.models.pooling import pool_hidden
 from jaxllm.parallel import logits_sharding
 from jaxllm.sampling import (
     SamplerInput,
@@ -57,20 +58,29 @@ class StepResult:
     top_ids: np.ndarray  # i32[R, num_logprobs]
     top_logprobs: np.ndarray  # f32[R, num_logprobs]
     shape: StepShape
+    # Pooling steps only (embedding requests scheduled): the final-normed hidden state at
+    # each sample row's position, and each scheduled chunk's sum over its tokens.
+    pooled_last: np.ndarray | None = None  # f32[R, H]
+    pooled_sums: np.ndarray | None = None  # f32[chunks, H], order = SchedulerOutput.scheduled
 
 
 class PendingStep:
     """A launched step; ``wait()`` blocks until its samples are on the host."""
 
-    def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape):
+    def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape,
+                 pooled: tuple[jax.Array, jax.Array] | None = None):
         self._result = result
+        self._pooled = pooled
         self.tokens = tokens  # i32[max rows] sampled ids on the device, for the next step
         self.shape = shape
 
     def wait(self) -> StepResult:
-        host: SamplerOutput = jax.device_get(self._result)
+        host: SamplerOutput
+        host, pooled = jax.device_get((self._result, self._pooled))
+        last, sums = pooled if pooled is not None else (None, None)
         return StepResult(np.asarray(host.sampled), np.asarray(host.logprob),
-                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape)
+                          np.asarray(host.top_ids), np.asarray(host.top_logprobs), self.shape,
+                          last, sums)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +89,7 @@ class LaunchedForward:
 
     logits: jax.Array  # f32[rows bucket, V] on the device
     shape: StepShape
+    pooled: tuple[jax.Array, jax.Array] | None = None  # (f32[rows, H], f32[seqs, H])
 
 
 def _pad_to_power_of_two(n: int) -> int:
@@ -116,19 +127,29 @@ class ModelRunner:
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
         forward = make_forward(cfg, model.dtype, attention_backend, mesh)
+        # Steps with embedding requests: a variant that also pools the hidden states,
+        # compiled on first use (the generation steps' programs stay as they are).
+        forward_hidden = make_forward(cfg, model.dtype, attention_backend, mesh,
+                                      return_hidden=True)
         self.max_rows = self.buckets.batch_sizes[-1]
 
-        def forward_after(params, kv_pool, batch, prev_tokens, prev_rows):
+        def forward_after(params, kv_pool, batch, prev_tokens, prev_rows, pooling=False):
             # Async scheduling: tokens the previous step samples are only on the device; the
             # host marks where they go (prev_rows >= 0) and they are filled in here.
             ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
                             batch.input_ids)
-            logits, kv_pool = forward(params, kv_pool, batch.replace(input_ids=ids))
+            batch = batch.replace(input_ids=ids)
+            pooled = None
+            if pooling:
+                logits, kv_pool, hidden = forward_hidden(params, kv_pool, batch)
+                pooled = pool_hidden(hidden, batch)
+            else:
+                logits, kv_pool = forward(params, kv_pool, batch)
             if mesh is not None:  # what the sampler and the next step were compiled for
                 kv_pool = jax.lax.with_sharding_constraint(
                     kv_pool, self._pool_out["out_shardings"])
                 logits = jax.lax.with_sharding_constraint(logits, self._logits_sharding)
-            return logits, kv_pool
+            return logits, kv_pool, pooled
 
         def sample_padded(logits, md, **variant):
             out = sample(logits, md, **variant)
@@ -136,10 +157,10 @@ class ModelRunner:
                 out.sampled)
             return out, tokens
 
-        self._forward = jax.jit(forward_after, donate_argnums=(1,))
+        self._forward = jax.jit(forward_after, donate_argnums=(1,), static_argnames="pooling")
         self._sample = jax.jit(sample_padded, static_argnames=SampleVariant._fields)
         self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
-        self._forward_exe: dict[StepShape, object] = {}
+        self._forward_exe: dict[tuple[StepShape, bool], object] = {}
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
         # Largest temporary device memory of any compiled forward or sampler (XLA's plan): the
@@ -189,14 +210,17 @@ class ModelRunner:
             self.num_compilations += 1
             self.max_step_temp_bytes = max(self.max_step_temp_bytes, temp)
 
-    def _forward_executable(self, shape: StepShape):
-        exe = self._forward_exe.get(shape)
+    def _forward_executable(self, shape: StepShape, pooling: bool = False):
+        exe = self._forward_exe.get((shape, pooling))
         if exe is None:
             batch = self._empty_batch(shape)
             exe = self._forward.lower(self.model.params, self._pool_spec, batch,
-                                      self._no_prev_tokens, batch.input_ids).compile()
-            self._forward_exe[shape] = exe
+                                      self._no_prev_tokens, batch.input_ids,
+                                      pooling=pooling).compile()
+            self._forward_exe[shape, pooling] = exe
             self._count_compilation(exe)
+            if pooling and self.num_steps:
+                logger.info("compiled the pooling forward for %s", shape)
         return exe
 
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
@@ -224,14 +248,15 @@ class ModelRunner:
 
     # --------------------------------------------------------------------- step
     def dispatch(self, out: SchedulerOutput, rows: Sequence[SamplerInput],
-                 prev: PendingStep | None = None) -> PendingStep:
+                 prev: PendingStep | None = None, pooling: bool = False) -> PendingStep:
         """Packs and launches one step without waiting for the device (JAX dispatch is
         asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens
-        (``Sequence.pending``) are taken from ``prev``'s samples on the device."""
-        return self.launch_sampler(self.launch_forward(out, prev), rows)
+        (``Sequence.pending``) are taken from ``prev``'s samples on the device. ``pooling``:
+        the step also returns pooled hidden states (``StepResult.pooled_*``)."""
+        return self.launch_sampler(self.launch_forward(out, prev, pooling), rows)
 
-    def launch_forward(self, out: SchedulerOutput,
-                       prev: PendingStep | None = None) -> LaunchedForward:
+    def launch_forward(self, out: SchedulerOutput, prev: PendingStep | None = None,
+                       pooling: bool = False) -> LaunchedForward:
         """The first half of ``dispatch``: block moves, packing, the forward. The sampler is
         launched apart when its inputs need the host to see ``prev``'s tokens first (the
         grammar bitmask of constrained rows)."""
@@ -242,9 +267,9 @@ class ModelRunner:
         prev_tokens = prev.tokens if prev_rows is not None else self._no_prev_tokens
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
-        logits, self.kv_pool = self._forward_executable(shape)(
+        logits, self.kv_pool, pooled = self._forward_executable(shape, pooling)(
             self.model.params, self.kv_pool, batch, prev_tokens, prev_rows)
-        return LaunchedForward(logits, shape)
+        return LaunchedForward(logits, shape, pooled)
 
     def launch_sampler(self, launched: LaunchedForward, rows: Sequence[SamplerInput],
                        token_bitmask: np.ndarray | None = None) -> PendingStep:
@@ -263,7 +288,7 @@ class ModelRunner:
         exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
         result, tokens = exe(launched.logits, md)
         self.num_steps += 1
-        return PendingStep(result, tokens, shape)
+        return PendingStep(result, tokens, shape, launched.pooled)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
         """The scheduled chunks as one padded numpy batch (one transfer per field). Also

@@ -48,3 +48,23 @@ class RequestOutput:
                    (group.is_finished and any(s.status.finish_reason == "abort"
                                               for s in group.seqs)),
                    group.metrics, group.metrics.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # f32[H], unit length when the pooling params normalize
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request returns (vLLM's name); one output, when it finishes.
+    ``outputs`` is None when the request was aborted."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None  # "stop" (embedded) | "abort"

@@ -301,7 +301,8 @@ class Scheduler:
                    out: SchedulerOutput) -> bool:
         if budget.seqs == 0 or budget.tokens == 0:
             return False
-        cached_blocks, num_cached = self.block_manager.lookup_prefix(seq.token_ids)
+        cached_blocks, num_cached = ([], 0) if group.reads_every_position \
+            else self.block_manager.lookup_prefix(seq.token_ids)
         num_new = min(seq.num_tokens - num_cached, budget.tokens)
         copies = self.block_manager.allocate_slots(seq.seq_id, seq.token_ids, num_cached,
                                                    num_new, cached_blocks,

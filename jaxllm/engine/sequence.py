@@ -123,11 +123,15 @@ class SequenceGroup:
     """A user request: its sampling params and its sequences (one until the prompt is done)."""
 
     def __init__(self, request_id: str, seqs: list[Sequence], params: SamplingParams,
-                 arrival_time: float | None = None, priority: int = 0):
+                 arrival_time: float | None = None, priority: int = 0,
+                 reads_every_position: bool = False):
         self.request_id = request_id
         self.seqs = seqs
         self.params = params
         self.priority = priority
+        # Computes every prompt position itself, never from the prefix cache (mean pooling
+        # reads each position's hidden state, which the cache does not keep).
+        self.reads_every_position = reads_every_position
         self.metrics = RequestMetrics(arrival_time if arrival_time is not None
                                       else time.monotonic())
         self.num_preemptions = 0

@@ -121,7 +121,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """``apply({"params": p}, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the same numbers
-    for either layer layout (init with a :class:`KVPool`)."""
+    for either layer layout (init with a :class:`KVPool`). With ``return_hidden`` it also
+    returns every token's final-normed hidden state [T, H] (what pooling reads)."""
 
     config: ModelConfig
     dtype: Dtype = jnp.float32
@@ -129,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     mesh: Mesh | None = None  # tensor parallel: the params' and pool's mesh
 
     @nn.compact
-    def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata):
+    def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata, return_hidden: bool = False):
         cfg = self.config
         batch = jax.tree.map(jnp.asarray, batch)  # a host-packed (numpy) batch, run eagerly
         embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
@@ -162,12 +163,18 @@ class LlamaForCausalLM(nn.Module):
                 length=cfg.num_hidden_layers,
             )(cfg, self.dtype, self.attention_backend, self.mesh, name="layers")
             (hidden, kv_pool, _), _ = layers((hidden, kv_pool, jnp.int32(0)), cos, sin, batch)
-        hidden = hidden[batch.logits_indices]  # [N, H]: the LM head runs only where needed
-        hidden = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(hidden)
+        norm = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")
+        if return_hidden:  # per-token norm: normalising first, then gathering, is the same
+            every_token = norm(hidden)  # [T, H]
+            hidden = every_token[batch.logits_indices]
+        else:
+            hidden = norm(hidden[batch.logits_indices])  # [N, H]: the head runs where needed
         if cfg.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
             logits = Linear(cfg.vocab_size, False, self.dtype, name="lm_head")(hidden)
+        if return_hidden:
+            return logits.astype(jnp.float32), kv_pool, every_token
         return logits.astype(jnp.float32), kv_pool
 
 
@@ -175,8 +182,10 @@ ForwardFn = Callable[[Any, AnyKVPool, BatchMetadata], tuple[jax.Array, AnyKVPool
 
 
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
-                 attention_backend: str = "auto", mesh: Mesh | None = None) -> ForwardFn:
-    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``; the
+                 attention_backend: str = "auto", mesh: Mesh | None = None, *,
+                 return_hidden: bool = False) -> ForwardFn:
+    """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``, plus
+    every token's final-normed hidden state [T, H] with ``return_hidden``; the
     layers are scanned for stacked params and unrolled for per-layer params (the pool's
     layout must match: see the module docstring). With ``mesh`` (tensor parallel), params and
     pool are sharded over it (:mod:`jaxllm.parallel`) and attention runs per shard; the
@@ -184,7 +193,7 @@ def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
     model = LlamaForCausalLM(config, dtype, attention_backend, mesh)
 
     def forward(params, kv_pool: AnyKVPool, batch: BatchMetadata):
-        return model.apply({"params": params}, kv_pool, batch)
+        return model.apply({"params": params}, kv_pool, batch, return_hidden)
 
     return forward
 

@@ -184,6 +184,27 @@ def make_smollm2(gguf_path: Path):
     np.savez_compressed(FIXTURES / "smollm2_last_logits.npz", logits=np.stack(all_logits))
 
 
+@torch.no_grad()
+def make_smollm2_embeddings(gguf_path: Path):
+    """Each plain-text prompt's final-normed hidden states (LlamaModel's last_hidden_state),
+    pooled at the last token and by mean, unnormalized: what /v1/embeddings and LLM.embed
+    return before their L2 normalization."""
+    d, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    names, last, mean = [], [], []
+    for pname, spec in PROMPTS:
+        if isinstance(spec, str):
+            ids = tok(spec).input_ids
+            hidden = model.model(torch.tensor([ids])).last_hidden_state[0].float()
+            names.append(pname)
+            last.append(hidden[-1].numpy())
+            mean.append(hidden.mean(dim=0).numpy())
+    np.savez_compressed(FIXTURES / "smollm2_embeddings.npz", names=np.array(names),
+                        last=np.stack(last), mean=np.stack(mean))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Part 2: tiny random checkpoints.
 TINY_COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, vocab_size=256,
@@ -267,6 +288,7 @@ def main():
         gguf_path = (args.gguf or default_gguf_path()).resolve()
         print(f"Part 1: SmolLM2 parity fixtures from {gguf_path}")
         make_smollm2(gguf_path)
+        make_smollm2_embeddings(gguf_path)
     print("Part 2: tiny random checkpoints")
     for i, (name, (cls, config)) in enumerate(TINY.items()):
         make_tiny(name, cls, config, seed=i + 1)
