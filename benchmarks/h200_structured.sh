@@ -27,12 +27,17 @@ throughput() {
     "${@:3}" --output-json "$DIR/$name.json"
 }
 
+# REPEATS=k runs the 0% / 25% pair k times, alternating (the 25% loss is a few percent, about
+# the spread between runs); ONLY_PAIRS=1 leaves out the 100% and sharegpt-like runs.
 steps() {
   # shellcheck disable=SC2086
   {
-    throughput s1_random_constrained0 150 420 $RANDOM_WL --num-prompts "$N"
-    throughput s2_random_constrained25 90 300 $RANDOM_WL --num-prompts "$N" \
-      --structured-fraction 0.25
+    for r in $(seq 1 "${REPEATS:-1}"); do
+      throughput "r${r}_random_constrained0" 150 420 $RANDOM_WL --num-prompts "$N"
+      throughput "r${r}_random_constrained25" 90 300 $RANDOM_WL --num-prompts "$N" \
+        --structured-fraction 0.25
+    done
+    [ -n "${ONLY_PAIRS:-}" ] && return
     throughput s3_random_constrained100 90 300 $RANDOM_WL --num-prompts "$N" \
       --structured-fraction 1
     throughput s4_sharegpt 120 420 --dataset-name sharegpt-like --num-prompts "$N"

@@ -145,7 +145,6 @@ class LLMEngine:
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
-        self._bitmask_thread = concurrent.futures.ThreadPoolExecutor(1, "jaxllm-bitmask")
         self.embeddings = EmbeddingRequests()
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
@@ -311,6 +310,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         embeddings = self.embeddings
         embeddings.record(out, result)
+        grammar_done = self._accept_grammar_tokens(out, result, positions)
         num_embedded = 0
         for r, row in enumerate(out.sample_rows):
             seq = row.seq
@@ -321,7 +321,7 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
                 num_embedded += 1
             else:
-                self._fill_token(seq, row.group, result, r, positions[r])
+                self._fill_token(seq, row.group, result, r, positions[r], r in grammar_done)
         self._account(out, num_embedded)
         if before_emit is not None:
             before_emit()
@@ -336,30 +336,14 @@ class LLMEngine:
 
     def _start_bitmask(self, out: SchedulerOutput, constrained: list[int],
                        num_rows: int) -> concurrent.futures.Future:
-        """Starts filling the constrained sample rows' bitmask (i32[num_rows, W]) on the
-        bitmask thread; the matchers are looked up (or made) here, on the engine thread."""
-        start = time.perf_counter()
+        """Starts filling the constrained sample rows' bitmask (i32[num_rows, W])."""
         rows = []
         for r in constrained:
             seq, group = out.sample_rows[r].seq, out.sample_rows[r].group
             if not seq.status.is_finished:  # finished by the step just completed: no mask
                 rows.append((r, seq.seq_id, group.params.structured_outputs,
                              lambda seq=seq: seq.known_output_token_ids))
-        jobs = self.structured.jobs(rows)
-        self.stats.bitmask_seconds += time.perf_counter() - start
-
-        def fill() -> np.ndarray:
-            begin = time.perf_counter()
-            bitmask = self.structured.fill(jobs, num_rows)
-            self.stats.bitmask_fill_seconds += time.perf_counter() - begin
-            return bitmask
-
-        future = self._bitmask_thread.submit(fill)
-        # Hand the GIL over now: the fill thread needs it only to enter llguidance (which then
-        # releases it), and would otherwise wait out the switch interval behind the
-        # detokenization that runs next on this thread.
-        time.sleep(0)
-        return future
+        return self.structured.start_fill(rows, num_rows, self.stats)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
@@ -372,8 +356,24 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
 
+    def _accept_grammar_tokens(self, out: SchedulerOutput, result: StepResult,
+                               positions: list[int]) -> set[int]:
+        """Feeds the constrained rows' tokens to their grammars, all at once; returns the
+        rows whose grammar is now complete."""
+        if self.structured is None or not self.structured.num_matchers:
+            return set()
+        rows, items = [], []
+        for r, row in enumerate(out.sample_rows):
+            spec, seq = row.group.params.structured_outputs, row.seq
+            if spec is not None and not seq.status.is_finished:
+                rows.append(r)
+                items.append((seq.seq_id, spec, int(result.sampled[r]),
+                              lambda seq=seq, pos=positions[r]:
+                              seq.token_ids[seq.num_prompt_tokens:pos]))
+        return {r for r, done in zip(rows, self.structured.accept(items), strict=True) if done}
+
     def _fill_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
-                    row: int, pos: int) -> None:
+                    row: int, pos: int, grammar_done: bool = False) -> None:
         """Puts a sampled token in its placeholder and applies the checks the next schedule
         depends on (EOS, stop token ids, lengths); text and stop strings wait for
         ``_emit_outputs``."""
@@ -405,10 +405,7 @@ class LLMEngine:
             status = SequenceStatus.FINISHED_LENGTH
         # A stop token's text is not output (unless asked for); a grammar's last token is.
         stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
-        spec = params.structured_outputs
-        if spec is not None and self.structured.accept(
-                seq.seq_id, spec, token, lambda: seq.token_ids[seq.num_prompt_tokens:pos]) \
-                and status is None:
+        if grammar_done and status is None:
             status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
             del seq.token_ids[pos + 1:]  # a placeholder of the step in flight, if any
