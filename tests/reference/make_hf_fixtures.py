@@ -14,6 +14,7 @@ It needs a separate Python 3.11 reference venv (no network access to model hubs 
 Outputs:
   tests/fixtures/smollm2_parity.json        prompts, prompt_ids, 32-token greedy ids, tokenizer checks
   tests/fixtures/smollm2_last_logits.npz    logits [num_prompts, 49152] f32 at the last prompt position
+  tests/fixtures/smollm2_embeddings.npz     plain-text prompts' last_hidden_state pooled: last, mean [6, 576]
   tests/fixtures/tiny/<name>/               tiny random Llama-family checkpoints (config.json + safetensors)
                                             + reference_logits.npz (input_ids, logits [40, V], greedy_ids)
 """
