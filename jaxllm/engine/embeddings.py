@@ -40,9 +40,6 @@ class EmbeddingRequests:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def __len__(self) -> int:
-        return len(self._seqs)
-
     def in_step(self, out: SchedulerOutput) -> bool:
         """Whether the step computes a chunk of an embedding request (it must pool)."""
         return bool(self._seqs) and any(item.seq.seq_id in self._seqs for item in out.scheduled)
