@@ -65,6 +65,25 @@ LONGEST_FILES_FIRST = ("test_paged_attention_kernels.py", "test_tensor_parallel.
                        "test_model_invariants.py", "test_server.py", "test_generate.py")
 
 
+# Most tests run tiny random models, whose programs cost far more to compile than to run: XLA's
+# CPU optimizations (LLVM's) take a third of a tiny engine's compile time and buy nothing there,
+# so those tests compile with them off. Tests over the real SmolLM2 weights compile as users do:
+# unoptimized, its float32 forward runs ~3x slower. The setting is part of every program's
+# compilation-cache key, so the two kinds of program never share an entry.
+REAL_WEIGHT_FIXTURES = {"smollm2", "smollm2_llm"}
+
+
+def runs_real_weights(item) -> bool:
+    return (item.get_closest_marker("slow") is not None
+            or not REAL_WEIGHT_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before any fixture of the test is set up: session fixtures compile under it too.
+    jax.config.update("jax_disable_most_optimizations", not runs_real_weights(item))
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole

@@ -22,10 +22,9 @@ import numpy as np
 from jaxllm.batch import BatchMetadata, SeqChunks, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.scheduler import SchedulerOutput
-from jaxllm.kv_pool import copy_blocks, new_kv_pool
+from jaxllm.engine.step_programs import ProgramKey, step_programs
+from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
-from jaxllm.models.llama import make_forward
-from jaxllm.models.pooling import pool_hidden
 from jaxllm.parallel import logits_sharding
 from jaxllm.sampling import (
     SamplerInput,
@@ -33,7 +32,6 @@ from jaxllm.sampling import (
     SampleVariant,
     build_sampling_metadata,
     penalty_width,
-    sample,
     sample_variant,
 )
 from jaxllm.sampling_params import MAX_LOGPROBS
@@ -115,50 +113,17 @@ class ModelRunner:
         self._new_pool = lambda: new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
                                              unroll_layers=model.unroll_layers, mesh=mesh)
         self.kv_pool = self._new_pool()
-        # Every program that returns the pool pins its sharding.
-        self._pool_out = {} if mesh is None else {
-            "out_shardings": jax.tree.map(lambda x: x.sharding, self.kv_pool)}
         self._logits_sharding = None if mesh is None else logits_sharding(mesh, cfg)
         # Executables are compiled against the pool's shapes, also while warm-up frees it.
         self._pool_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
         self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
         self._host_v: np.ndarray | None = None
+        self.max_rows = self.buckets.batch_sizes[-1]
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        forward = make_forward(cfg, model.dtype, attention_backend, mesh)
-        # Steps with embedding requests: a variant that also pools the hidden states,
-        # compiled on first use (the generation steps' programs stay as they are).
-        forward_hidden = make_forward(cfg, model.dtype, attention_backend, mesh,
-                                      return_hidden=True)
-        self.max_rows = self.buckets.batch_sizes[-1]
-
-        def forward_after(params, kv_pool, batch, prev_tokens, prev_rows, pooling=False):
-            # Async scheduling: tokens the previous step samples are only on the device; the
-            # host marks where they go (prev_rows >= 0) and they are filled in here.
-            ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
-                            batch.input_ids)
-            batch = batch.replace(input_ids=ids)
-            pooled = None
-            if pooling:
-                logits, kv_pool, hidden = forward_hidden(params, kv_pool, batch)
-                pooled = pool_hidden(hidden, batch)
-            else:
-                logits, kv_pool = forward(params, kv_pool, batch)
-            if mesh is not None:  # what the sampler and the next step were compiled for
-                kv_pool = jax.lax.with_sharding_constraint(
-                    kv_pool, self._pool_out["out_shardings"])
-                logits = jax.lax.with_sharding_constraint(logits, self._logits_sharding)
-            return logits, kv_pool, pooled
-
-        def sample_padded(logits, md, **variant):
-            out = sample(logits, md, **variant)
-            tokens = jnp.zeros((self.max_rows,), jnp.int32).at[:out.sampled.shape[0]].set(
-                out.sampled)
-            return out, tokens
-
-        self._forward = jax.jit(forward_after, donate_argnums=(1,), static_argnames="pooling")
-        self._sample = jax.jit(sample_padded, static_argnames=SampleVariant._fields)
+        self._programs = step_programs(ProgramKey(cfg, model.dtype, attention_backend, mesh,
+                                                  self.max_rows))
         self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._forward_exe: dict[tuple[StepShape, bool], object] = {}
         self._sample_exe: dict[tuple, object] = {}
@@ -167,10 +132,6 @@ class ModelRunner:
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
         self._compile_lock = threading.Lock()
-        self._copy = jax.jit(copy_blocks, donate_argnums=(0,), **self._pool_out)
-        self._write_blocks = jax.jit(lambda pool, ids, k, v: pool.write_blocks(ids, k, v),
-                                     donate_argnums=(0,), **self._pool_out)
-        self._read_blocks = jax.jit(lambda pool, ids: pool.read_blocks(ids))
         self.num_steps = 0
 
     # ------------------------------------------------------------------ warm-up
@@ -200,7 +161,7 @@ class ModelRunner:
         self.kv_pool = self._new_pool()
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
-            self.kv_pool = self._copy(self.kv_pool, ids, ids)
+            self.kv_pool = self._programs.copy(self.kv_pool, ids, ids)
         jax.block_until_ready(self.kv_pool)
         return time.perf_counter() - start
 
@@ -214,7 +175,7 @@ class ModelRunner:
         exe = self._forward_exe.get((shape, pooling))
         if exe is None:
             batch = self._empty_batch(shape)
-            exe = self._forward.lower(self.model.params, self._pool_spec, batch,
+            exe = self._programs.forward.lower(self.model.params, self._pool_spec, batch,
                                       self._no_prev_tokens, batch.input_ids,
                                       pooling=pooling).compile()
             self._forward_exe[shape, pooling] = exe
@@ -233,7 +194,7 @@ class ModelRunner:
             bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if variant.use_bitmask \
                 else None
             md = build_sampling_metadata([], rows, width, BANNED_WIDTH, bitmask)
-            exe = self._sample.lower(logits, md, **variant._asdict()).compile()
+            exe = self._programs.sample.lower(logits, md, **variant._asdict()).compile()
             self._sample_exe[key] = exe
             self._count_compilation(exe)
             if self.num_steps:
@@ -337,7 +298,7 @@ class ModelRunner:
             gpu, cpu = zip(*out.blocks_to_swap_out, strict=True)
             ids = np.zeros(_pad_to_power_of_two(len(gpu)), np.int32)
             ids[:len(gpu)] = gpu
-            k, v = jax.device_get(self._read_blocks(self.kv_pool, ids))
+            k, v = jax.device_get(self._programs.read_blocks(self.kv_pool, ids))
             host_k, host_v = self._host_pools()
             host_k[:, list(cpu)] = k[:, :len(gpu)]
             host_v[:, list(cpu)] = v[:, :len(gpu)]
@@ -351,13 +312,13 @@ class ModelRunner:
             v = np.zeros_like(k)
             k[:, :len(gpu)] = host_k[:, list(cpu)]
             v[:, :len(gpu)] = host_v[:, list(cpu)]
-            self.kv_pool = self._write_blocks(self.kv_pool, ids, k, v)
+            self.kv_pool = self._programs.write_blocks(self.kv_pool, ids, k, v)
         if out.blocks_to_copy:
             src, dst = zip(*out.blocks_to_copy, strict=True)
             size = _pad_to_power_of_two(len(src))
             src_ids, dst_ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
             src_ids[:len(src)], dst_ids[:len(dst)] = src, dst
-            self.kv_pool = self._copy(self.kv_pool, src_ids, dst_ids)
+            self.kv_pool = self._programs.copy(self.kv_pool, src_ids, dst_ids)
 
     def _host_pools(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
