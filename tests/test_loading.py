@@ -176,6 +176,59 @@ def test_not_a_gguf_file(tmp_path):
         jaxllm.load_model(str(tmp_path / "bad.gguf"))
 
 
+def _gguf_package_view(path):
+    """What the ``gguf`` package's own reader finds in ``path``."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    metadata = {}
+    for name, field in reader.fields.items():
+        try:
+            metadata[name] = field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError):
+            metadata[name] = None
+    return metadata, reader.tensors
+
+
+@pytest.mark.parametrize("which", ["embedded", "q4_1"])
+def test_gguf_header_reads_what_the_gguf_package_reads(which, tmp_path):
+    """jaxllm's header parser against gguf's reader: the same metadata values (SmolLM2's
+    whole tokenizer included), tensor names, types, shapes and bytes."""
+    import gguf
+
+    from jaxllm.loading.gguf_reader import read_gguf
+
+    if which == "embedded":
+        path = jaxllm.loading.default_model_path()
+    else:
+        path = str(tmp_path / "q.gguf")
+        _write_gguf(path, gguf.GGMLQuantizationType.Q4_1)
+    ours = read_gguf(path)
+    metadata, tensors = _gguf_package_view(path)
+    assert ours.metadata == metadata
+    assert [t.name for t in ours.tensors] == [t.name for t in tensors]
+    for mine, theirs in zip(ours.tensors, tensors, strict=True):
+        assert mine.tensor_type == theirs.tensor_type
+        assert mine.shape == tuple(theirs.shape.tolist())
+        assert mine.data.dtype == theirs.data.dtype and mine.data.shape == theirs.data.shape
+        np.testing.assert_array_equal(mine.data, theirs.data)
+
+
+def test_truncated_gguf_files_are_refused_clearly(tmp_path):
+    import gguf
+
+    _write_gguf(tmp_path / "ok.gguf", gguf.GGMLQuantizationType.F32)
+    whole = (tmp_path / "ok.gguf").read_bytes()
+    for size, why in [(200, "truncated GGUF header|runs past the end"),
+                      (len(whole) - 100, "runs past the end of the file")]:
+        (tmp_path / "cut.gguf").write_bytes(whole[:size])
+        with pytest.raises(ModelLoadError, match=f"not a readable GGUF file .*({why})"):
+            jaxllm.load_model(str(tmp_path / "cut.gguf"))
+    (tmp_path / "v1.gguf").write_bytes(b"GGUF" + (1).to_bytes(4, "little") + whole[8:])
+    with pytest.raises(ModelLoadError, match="GGUF version 1"):
+        jaxllm.load_model(str(tmp_path / "v1.gguf"))
+
+
 def test_bad_dtype_and_load_format():
     with pytest.raises(ValueError, match="dtype 'int4' must be one of"):
         jaxllm.load_model(os.path.join(TINY_DIR, "qwen2_bias"), dtype="int4")

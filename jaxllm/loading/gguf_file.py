@@ -6,8 +6,6 @@ pairs; we undo that so the model keeps the Hugging Face "rotate half" layout.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from jaxllm.errors import ModelLoadError, UnsupportedModelError
@@ -51,15 +49,17 @@ class GGUFCheckpoint:
     def __init__(self, path: str):
         import gguf  # imported here: only GGUF users pay for it
 
+        from jaxllm.loading.gguf_reader import read_gguf
+
         self._gguf = gguf
         try:
-            self._reader = gguf.GGUFReader(path)
+            contents = read_gguf(path)
         except (OSError, ValueError, KeyError) as e:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
         self.path = path
-        self.metadata = {name: _field_value(field) for name, field in self._reader.fields.items()}
+        self.metadata = contents.metadata
         self._tensors = {}
-        for tensor in self._reader.tensors:
+        for tensor in contents.tensors:
             name = hf_name(tensor.name)
             if name is not None:
                 self._tensors[name] = tensor
@@ -78,7 +78,7 @@ class GGUFCheckpoint:
     def get(self, name: str) -> np.ndarray:
         tensor = self._tensors[name]
         array = self._gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape.tolist())))
+        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed(tensor.shape)))
         cfg = self.config
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             array = _unpermute_rope_rows(array, cfg.num_attention_heads)
@@ -94,10 +94,3 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     rows = w.shape[0]
     return (w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
             .swapaxes(1, 2).reshape(w.shape))
-
-
-def _field_value(field: Any) -> Any:
-    try:
-        return field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError):
-        return None
