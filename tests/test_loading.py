@@ -214,6 +214,24 @@ def test_gguf_header_reads_what_the_gguf_package_reads(which, tmp_path):
         np.testing.assert_array_equal(mine.data, theirs.data)
 
 
+def test_gguf_text_that_is_not_utf8_reads_as_none_and_the_rest_still_reads(tmp_path):
+    """An undecodable string inside the token list makes that field None, as gguf's reader
+    does, and every field after it still parses."""
+    import gguf
+
+    from jaxllm.loading.gguf_reader import read_gguf
+
+    _write_gguf(tmp_path / "ok.gguf", gguf.GGMLQuantizationType.F32)
+    whole = (tmp_path / "ok.gguf").read_bytes()
+    at = whole.index(b"\x01\x00\x00\x00\x00\x00\x00\x00c")  # the token "c", 1 byte long
+    (tmp_path / "bad_text.gguf").write_bytes(whole[:at + 8] + b"\xff" + whole[at + 9:])
+    ours = read_gguf(str(tmp_path / "bad_text.gguf"))
+    metadata, _ = _gguf_package_view(str(tmp_path / "bad_text.gguf"))
+    assert ours.metadata["tokenizer.ggml.tokens"] is None
+    assert ours.metadata == metadata
+    assert len(ours.tensors) == 11
+
+
 def test_truncated_gguf_files_are_refused_clearly(tmp_path):
     import gguf
 

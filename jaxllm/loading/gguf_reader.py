@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
+# GGUF value type -> its little-endian struct format (numpy reads the same codes as dtypes).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
             10: "<Q", 11: "<q", 12: "<d"}
-_ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
-                 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
 
@@ -62,11 +61,19 @@ class _Cursor:
         if kind != _ARRAY:
             raise ValueError(f"unknown GGUF value type {kind}")
         item_kind, count = self.unpack("<I"), self.unpack("<Q")
-        if item_kind in _ARRAY_DTYPES:
-            items = np.frombuffer(self.buf, _ARRAY_DTYPES[item_kind], count, self.offset)
+        if item_kind in _SCALARS:
+            items = np.frombuffer(self.buf, _SCALARS[item_kind], count, self.offset)
             self.offset += items.nbytes
             return items.tolist()
-        return [self.value(item_kind) for _ in range(count)]
+        values, undecodable = [], None
+        for _ in range(count):  # every item is consumed, so the fields after it still parse
+            try:
+                values.append(self.value(item_kind))
+            except UnicodeDecodeError as e:
+                undecodable = e
+        if undecodable is not None:
+            raise undecodable
+        return values
 
 
 def read_gguf(path: str) -> GGUFContents:
