@@ -39,11 +39,9 @@ STRUCTURED_SCHEMA = {"type": "object", "properties": {
     "required": ["title", "tags"]}
 
 
-def run_jaxllm(model, requests: list[Request], args) -> dict:
-    from tqdm.auto import tqdm
-
-    from jaxllm import EngineConfig, LLMEngine, SamplingParams
-    from jaxllm.sampling_params import StructuredOutputsParams
+def make_engine(model, args):
+    """The engine ``bench throughput`` measures, offline as ``LLM.generate`` runs it."""
+    from jaxllm import EngineConfig, LLMEngine
 
     config = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -57,11 +55,34 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     # Offline, as jaxllm.LLM.generate (and vLLM's LLM.generate): only finished requests come
     # back, no per-step partial output for every running request.
     engine.stream_outputs = False
-    phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
-              "device_wait_seconds", "bitmask_seconds", "bitmask_fill_seconds")
+    return engine
+
+
+def add_workload(engine, requests: list[Request], args, tag: str = "") -> int:
+    """Adds every request (every k-th under ``STRUCTURED_SCHEMA`` with
+    ``--structured-fraction``); returns how many are constrained."""
+    from jaxllm import SamplingParams
+    from jaxllm.sampling_params import StructuredOutputsParams
+
     fraction = getattr(args, "structured_fraction", 0.0)
     constraint = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     every = round(1 / fraction) if fraction else 0  # every k-th request is constrained
+    for i, r in enumerate(requests):
+        constrained = bool(every) and i % every == 0
+        engine.add_request(f"{tag}{i}", prompt_token_ids=list(r.prompt_ids),
+                           params=SamplingParams(
+                               n=args.n, temperature=1.0, max_tokens=r.output_len,
+                               ignore_eos=True, seed=i,
+                               structured_outputs=constraint if constrained else None))
+    return sum(1 for i in range(len(requests)) if every and i % every == 0)
+
+
+def run_jaxllm(model, requests: list[Request], args) -> dict:
+    from tqdm.auto import tqdm
+
+    engine = make_engine(model, args)
+    phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
+              "device_wait_seconds", "bitmask_seconds", "bitmask_fill_seconds")
     before = {p: getattr(engine.stats, p) for p in phases} | {"steps": engine.stats.num_steps}
     kv_before = engine_usage(engine.stats)
     held = device_bytes_in_use()  # weights and pool, before the clock
@@ -69,13 +90,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     with PeakSampler(device_bytes_in_use) as memory, tqdm(
             total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
         start = time.perf_counter()
-        for i, r in enumerate(requests):
-            constrained = bool(every) and i % every == 0
-            engine.add_request(str(i), prompt_token_ids=list(r.prompt_ids),
-                               params=SamplingParams(
-                                   n=args.n, temperature=1.0, max_tokens=r.output_len,
-                                   ignore_eos=True, seed=i,
-                                   structured_outputs=constraint if constrained else None))
+        num_constrained = add_workload(engine, requests, args)
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:  # what the engine produced, not what was asked
@@ -93,8 +108,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
             **(engine_usage(s) - kv_before).as_dict(),
             "num_gpu_blocks": engine.kv_plan.num_gpu_blocks,
             "stream_outputs": engine.stream_outputs,
-            "structured_requests": sum(1 for i in range(len(requests))
-                                       if every and i % every == 0),
+            "structured_requests": num_constrained,
             "warm_up_s": getattr(engine, "warm_up_seconds", None),
             **memory.result(MEMORY_SOURCE),
             **_planned_peak(held, engine.runner.max_step_temp_bytes),
