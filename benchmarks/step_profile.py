@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import dataclasses
 import glob
 import io
 import json
@@ -32,6 +33,9 @@ import re
 import time
 
 import numpy as np
+
+PHASES = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
+          "device_wait_seconds", "bitmask_seconds", "bitmask_fill_seconds")
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -53,13 +57,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=25, help="rows in each printed table")
 
 
-def _union_ns(intervals: list[tuple[float, float]]) -> float:
-    busy, end = 0.0, -np.inf
+def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """The union's length and the idle gaps between its pieces (ns)."""
+    busy, end, gaps = 0.0, None, []
     for s, e in sorted(intervals):
-        if e > end:
-            busy += e - max(s, end)
+        if end is None or e > end:
+            if end is not None and s > end:
+                gaps.append(s - end)
+            busy += e - (s if end is None else max(s, end))
             end = e
-    return busy
+    return busy, gaps
 
 
 def _kernel_group(name: str) -> str:
@@ -72,11 +79,12 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(path)
-    kernels, modules = [], []
+    kernels, modules, lines = [], [], collections.Counter()
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
+            lines[line.name] += 1
             if line.name == "XLA Modules":
                 modules += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
             elif line.name.startswith("Stream"):
@@ -84,7 +92,9 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
     if not kernels:
         return {"error": f"no device kernels in {path}"}
     span_ns = max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)
-    busy_ns = _union_ns([(s, s + d) for _, s, d in kernels])
+    busy_ns, idle = _busy_and_gaps([(s, s + d) for _, s, d in kernels])
+    idle_ms = np.array(idle) / 1e6
+    long_idle = idle_ms[idle_ms >= 0.05]
     by_kernel = collections.defaultdict(lambda: [0, 0.0])
     for name, _, d in kernels:
         group = by_kernel[_kernel_group(name)]
@@ -112,7 +122,13 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
         gaps.append(max(0.0, s1 - (s0 + d0)) / 1e6)
     return {
         "trace": path, "steps": len(steps), "span_ms": span_ns / 1e6, "busy_ms": busy_ns / 1e6,
-        "busy_fraction": busy_ns / span_ns,
+        "busy_fraction": busy_ns / span_ns, "device_lines": dict(lines),
+        "idle_gaps_ms": {"count_over_50us": int(long_idle.size),
+                         "total_over_50us": float(long_idle.sum()),
+                         "p50_over_50us": float(np.median(long_idle)) if long_idle.size else 0,
+                         "max": float(idle_ms.max()) if idle_ms.size else 0.0,
+                         "total": float(idle_ms.sum())},
+        "step_shapes": steps,
         "gap_between_executables_ms": {"total": float(np.sum(gaps)) if gaps else 0.0,
                                        "p50": float(np.median(gaps)) if gaps else 0.0,
                                        "max": float(np.max(gaps)) if gaps else 0.0},
@@ -136,7 +152,7 @@ def _step_info(engine) -> dict | None:
 def run(args) -> None:
     import jax
     from jaxllm.benchmarks.jax_backends import add_workload, make_engine
-    from jaxllm.benchmarks.throughput import _requests
+    from jaxllm.benchmarks.throughput import _requests, load_tokenizer_file
 
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
@@ -145,6 +161,9 @@ def run(args) -> None:
     model = jaxllm.load_model(
         args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
+    if args.tokenizer:
+        model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
+            args.tokenizer, model.config.eos_token_ids))
     requests = _requests(args, model.config)
     engine = make_engine(model, args)
     result: dict = {"args": {k: v for k, v in vars(args).items()
@@ -159,11 +178,16 @@ def run(args) -> None:
         produced += sum(len(c.token_ids) for o in engine.step() if o.finished
                         for c in o.outputs)
     elapsed = time.perf_counter() - start
+    phases = {p: 1e3 * getattr(engine.stats, p) for p in PHASES}
     result["timed"] = {"output_tokens": produced, "seconds": elapsed,
                        "output_tokens_per_s": produced / elapsed,
-                       "steps": engine.stats.num_steps - steps_before}
+                       "steps": engine.stats.num_steps - steps_before,
+                       "host_ms_per_step": {p.removesuffix("_seconds"): round(
+                           v / max(1, engine.stats.num_steps - steps_before), 3)
+                           for p, v in phases.items()}}
     print(f"pass 1: {produced} output tokens in {elapsed:.2f} s = "
-          f"{produced / elapsed:,.0f} tok/s, {result['timed']['steps']} steps", flush=True)
+          f"{produced / elapsed:,.0f} tok/s, {result['timed']['steps']} steps, host ms a step "
+          f"{result['timed']['host_ms_per_step']}", flush=True)
 
     # Pass 2: the same workload with a traced window and a host-profiled window.
     add_workload(engine, requests, args, tag="b")
@@ -221,8 +245,14 @@ def _print(result: dict, host: str) -> None:
         print(dev["error"])
     else:
         print(f"\ntraced {dev['steps']} steps: span {dev['span_ms']:.1f} ms, device busy "
-              f"{dev['busy_ms']:.1f} ms ({100 * dev['busy_fraction']:.1f}%), gaps between "
-              f"executables {dev['gap_between_executables_ms']}")
+              f"{dev['busy_ms']:.1f} ms ({100 * dev['busy_fraction']:.1f}%); idle gaps "
+              f"{dev['idle_gaps_ms']}")
+        shapes = dev["step_shapes"]
+        if shapes:
+            print(f"  per step: {np.mean([s['real_tokens'] for s in shapes]):.0f} real tokens, "
+                  f"{np.mean([s['bucket_tokens'] for s in shapes]):.0f} bucket tokens, "
+                  f"{np.mean([s['rows'] for s in shapes]):.0f} rows, "
+                  f"{np.mean([s['decode'] for s in shapes]):.0%} decode-only")
         for name, m in dev["modules"].items():
             print(f"  {name[:60]:60s} x{m['count']:5d} {m['total_ms']:9.1f} ms")
         if dev["forward_fit"]:
