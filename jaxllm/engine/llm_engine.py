@@ -13,7 +13,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 
 import jax
@@ -25,7 +24,13 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.kv_sizing import plan_kv_blocks
-from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner, PendingStep, StepResult
+from jaxllm.engine.model_runner import (
+    BANNED_WIDTH,
+    LaunchedForward,
+    ModelRunner,
+    PendingStep,
+    StepResult,
+)
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
@@ -36,8 +41,19 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
-# A launched step: what was scheduled, its device result, each sample row's token position.
-_InFlight = tuple[SchedulerOutput, PendingStep, list[int]]
+
+
+@dataclasses.dataclass
+class _LaunchedStep:
+    """A launched step whose tokens are not recorded yet."""
+
+    out: SchedulerOutput
+    rows: list[SamplerInput]  # out.sample_rows as sampler rows
+    constrained: list[int]  # sample rows under a grammar
+    positions: list[int] = dataclasses.field(default_factory=list)  # each row's token position
+    pending: PendingStep | None = None  # None until the sampler is launched
+    forward: LaunchedForward | None = None  # constrained: the forward awaiting its sampler
+    bitmask: concurrent.futures.Future | None = None  # constrained: the fill under way
 
 
 @dataclasses.dataclass
@@ -150,7 +166,7 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
         self._pending_text: list[tuple[Sequence, SequenceGroup, int, bool]] = []
-        self._inflight: _InFlight | None = None
+        self._inflight: _LaunchedStep | None = None
         self._num_penalty_requests = 0
         # False: step() returns only finished requests (offline use; saves host time).
         self.stream_outputs = True
@@ -235,78 +251,89 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the outputs of every request that progressed.
 
-        With async scheduling (the default) the device is kept one step ahead: step k+1 is
-        scheduled and launched before step k's samples reach the host (its inputs take them
-        from the device), and step k's tokens are then checked, detokenized and turned into
-        outputs while step k+1 computes. Outputs therefore trail the device by one step and a
-        request that stops costs one wasted token. Steps with repetition/presence/frequency
-        penalties run synchronously (the sampler must see the previous token). A step with
-        constrained rows (structured outputs) launches its forward first, completes step k
-        while it runs (the grammars consume step k's tokens), then fills the constrained
-        rows' bitmask and launches its sampler.
+        With async scheduling (the default) the device is kept one step ahead. A call
+        schedules step k+1 and launches it before step k's samples reach the host (its inputs
+        take them from the device), then turns step k-1's tokens into text and outputs while
+        the device computes, then waits for step k and records its tokens. So what lies
+        between the end of step k on the device and the launch of step k+2 is only the
+        recording of k's tokens and the scheduling and packing of k+2: detokenization, stop
+        strings and outputs are off that path. Outputs trail the device by up to two steps, and
+        a request that stops costs one or two wasted tokens. Steps with repetition/presence/
+        frequency penalties run synchronously (the sampler must see the previous token).
+
+        A step with constrained rows (structured outputs) launches its forward at once; its
+        sampler needs the grammar bitmask of the tokens before it, which is filled on the
+        bitmask thread from when step k's tokens are recorded until after the next call has
+        scheduled step k+2 (the fill and the scheduler's Python overlap); that call then
+        launches the sampler, and step k+2 behind it.
         """
         stats = self.stats
         outputs: list[RequestOutput] = []
-        previous, self._inflight = self._inflight, None
-        if previous is not None and (not self.config.async_scheduling
-                                     or self._num_penalty_requests):
-            outputs += self._complete(previous)
-            previous = None
+        sync = not self.config.async_scheduling or bool(self._num_penalty_requests)
+        launched, self._inflight = self._inflight, None
+        if launched is not None and sync:  # penalties arrived while a step was in flight
+            self._finish_launch(launched)
+            self._record(launched)
+            launched = None
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        completed = 0.0
-        if out.scheduled:
-            rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
-            prev_step = previous[1] if previous else None
-            constrained = [r for r, row in enumerate(out.sample_rows)
-                           if row.group.params.structured_outputs is not None]
-            pooling = self.embeddings.in_step(out)
-            if constrained:
-                launched = self.runner.launch_forward(out, prev_step, pooling)
-            else:
-                pending = self.runner.dispatch(out, rows, prev_step, pooling)
-            positions = []
-            for r, row in enumerate(out.sample_rows):  # their ids are known after the step
-                positions.append(len(row.seq.token_ids))
-                row.seq.pending[positions[-1]] = r
-                row.seq.token_ids.append(PLACEHOLDER_TOKEN)
-            if constrained:
-                # The grammars must see the previous step's tokens: take them while this
-                # step's forward runs; the bitmask is filled beside the detokenization.
-                filling = []
-                start_fill = lambda: filling.append(self._start_bitmask(
-                    out, constrained, launched.shape.num_seqs))
-                if previous is not None:
-                    start = time.perf_counter()
-                    outputs += self._complete(previous, before_emit=start_fill)
-                    previous, completed = None, time.perf_counter() - start
-                else:
-                    start_fill()
-                start = time.perf_counter()
-                bitmask = filling[0].result()
-                stats.bitmask_seconds += time.perf_counter() - start
-                pending = self.runner.launch_sampler(launched, rows, bitmask)
-            self._inflight = (out, pending, positions)
-        t2 = time.perf_counter()
+        if launched is not None:
+            self._finish_launch(launched)
+        step = self._launch(out, launched.pending if launched else None) if out.scheduled \
+            else None
         stats.schedule_seconds += t1 - t0
-        stats.prepare_seconds += t2 - t1 - completed
-        if previous is not None:
-            outputs += self._complete(previous)
-        elif self._inflight is None:
+        stats.prepare_seconds += time.perf_counter() - t1
+        outputs += self._emit_outputs()  # the tokens recorded by the previous call
+        if launched is not None:
+            self._record(launched)
+        if step is not None and step.constrained:
+            step.bitmask = self._start_bitmask(step)  # the grammars have every token before it
+        if step is not None and sync:
+            self._finish_launch(step)
+            self._record(step)
+            step = None
+        if step is None:
             outputs += self._emit_outputs()  # nothing in flight: finish the last tokens
-        if self._inflight is not None and not self.config.async_scheduling:
-            outputs += self._complete(self._inflight)
-            self._inflight = None
+        self._inflight = step
         return outputs
 
-    def _complete(self, inflight: _InFlight,
-                  before_emit: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Waits for a launched step, records its tokens, and emits outputs (``before_emit``
-        runs between the two: the tokens are in, the text is not)."""
-        out, pending, positions = inflight
+    def _launch(self, out: SchedulerOutput, prev: PendingStep | None) -> _LaunchedStep:
+        """Launches a scheduled step: all of it, or only its forward when a row is
+        constrained (the sampler waits for the bitmask)."""
+        rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
+        constrained = [r for r, row in enumerate(out.sample_rows)
+                       if row.group.params.structured_outputs is not None]
+        pooling = self.embeddings.in_step(out)
+        step = _LaunchedStep(out, rows, constrained)
+        if constrained:
+            step.forward = self.runner.launch_forward(out, prev, pooling)
+        else:
+            step.pending = self.runner.dispatch(out, rows, prev, pooling)
+        for r, row in enumerate(out.sample_rows):  # their ids are known after the step
+            step.positions.append(len(row.seq.token_ids))
+            row.seq.pending[step.positions[-1]] = r
+            row.seq.token_ids.append(PLACEHOLDER_TOKEN)
+        return step
+
+    def _finish_launch(self, step: _LaunchedStep) -> None:
+        """Launches a constrained step's sampler once its bitmask is filled."""
+        if step.pending is not None:
+            return
+        if step.bitmask is None:
+            step.bitmask = self._start_bitmask(step)
+        start = time.perf_counter()
+        bitmask = step.bitmask.result()
+        self.stats.bitmask_seconds += time.perf_counter() - start
+        step.pending = self.runner.launch_sampler(step.forward, step.rows, bitmask)
+        step.forward = step.bitmask = None
+
+    def _record(self, step: _LaunchedStep) -> None:
+        """Waits for a launched step and records its tokens (text waits for
+        ``_emit_outputs``)."""
+        out, positions = step.out, step.positions
         t0 = time.perf_counter()
-        result = pending.wait()
+        result = step.pending.wait()
         t1 = time.perf_counter()
         embeddings = self.embeddings
         embeddings.record(out, result)
@@ -323,27 +350,20 @@ class LLMEngine:
             else:
                 self._fill_token(seq, row.group, result, r, positions[r], r in grammar_done)
         self._account(out, num_embedded)
-        if before_emit is not None:
-            before_emit()
-        t2 = time.perf_counter()
-        outputs = self._emit_outputs()
         stats = self.stats
         stats.num_steps += 1
         stats.device_wait_seconds += t1 - t0
-        stats.update_seconds += t2 - t1
-        stats.output_seconds += time.perf_counter() - t2
-        return outputs
+        stats.update_seconds += time.perf_counter() - t1
 
-    def _start_bitmask(self, out: SchedulerOutput, constrained: list[int],
-                       num_rows: int) -> concurrent.futures.Future:
-        """Starts filling the constrained sample rows' bitmask (i32[num_rows, W])."""
+    def _start_bitmask(self, step: _LaunchedStep) -> concurrent.futures.Future:
+        """Starts filling the constrained sample rows' bitmask (i32[rows bucket, W])."""
         rows = []
-        for r in constrained:
-            seq, group = out.sample_rows[r].seq, out.sample_rows[r].group
-            if not seq.status.is_finished:  # finished by the step just completed: no mask
+        for r in step.constrained:
+            seq, group = step.out.sample_rows[r].seq, step.out.sample_rows[r].group
+            if not seq.status.is_finished:  # finished by the step just recorded: no mask
                 rows.append((r, seq.seq_id, group.params.structured_outputs,
                              lambda seq=seq: seq.known_output_token_ids))
-        return self.structured.start_fill(rows, num_rows, self.stats)
+        return self.structured.start_fill(rows, step.forward.shape.num_seqs, self.stats)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
@@ -415,7 +435,13 @@ class LLMEngine:
         self._pending_text.append((seq, group, token, stopped_by_token))
 
     def _emit_outputs(self) -> list[RequestOutput]:
-        """Detokenizes the last step's tokens, applies stop strings, builds outputs."""
+        """Detokenizes the recorded tokens, applies stop strings, builds outputs."""
+        start = time.perf_counter()
+        outputs = self._build_outputs()
+        self.stats.output_seconds += time.perf_counter() - start
+        return outputs
+
+    def _build_outputs(self) -> list[RequestOutput]:
         pending, self._pending_text = self._pending_text, []
         touched: dict[str, SequenceGroup] = {}
         for seq, group, token, stopped_by_token in pending:
