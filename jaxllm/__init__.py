@@ -39,14 +39,14 @@ from jaxllm.loading import LoadedModel, default_model_path, load_model
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models import make_forward
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "AsyncLLMEngine", "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
     "EngineConfig", "EngineDeadError", "LLMEngine", "PoolingParams", "RequestOutput",
-    "SamplingParams", "SequenceStatus",
+    "RequestOutputKind", "SamplingParams", "SequenceStatus",
     "BatchMetadata", "GenerateOutput", "JaxLLMError", "KVPool", "LayeredKVPool", "LoadedModel",
     "ModelConfig", "ModelLoadError", "RopeScaling", "SeqChunk", "SeqChunks",
     "UnsupportedModelError", "__version__", "default_model_path", "generate", "load_model",

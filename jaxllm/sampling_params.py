@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # below this, temperature means greedy (as in vLLM)
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's names): the whole output so far, only
+    what is new since the previous output, or one output when the request finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +97,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per output token, plus the chosen one
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Accept a single string / lists from callers, store tuples (hashable, frozen).
@@ -142,6 +153,8 @@ class SamplingParams:
         need(self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs must be a StructuredOutputsParams")
+        need(isinstance(self.output_kind, RequestOutputKind),
+             f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         need(not (self.is_greedy and self.n > 1),
              f"n must be 1 when using greedy sampling, got {self.n}")
 

@@ -97,13 +97,12 @@ async def _admit_and_run(request: web.Request, state: ServerState, chat: bool,
         async with contextlib.aclosing(outputs):
             if req.stream:
                 return await _stream(request, builder, outputs)
-            finals: dict[int, RequestOutput] = {}
             try:
                 async for index, out in outputs:
-                    finals[index] = out
+                    builder.add(index, out)
             except EngineDeadError as e:
                 raise _engine_failed(e) from None
-            return web.json_response(builder.full(finals))
+            return web.json_response(builder.full())
     finally:
         ticket.close()
 
@@ -144,7 +143,7 @@ async def _stream(request: web.Request, builder: ResponseBuilder,
 async def _outputs(state: ServerState, request_id: str, prompts: list[Prompt],
                    req: GenerationRequest, ticket: Ticket,
                    arrival: float) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, cumulative output) of every prompt's engine request, interleaved."""
+    """(prompt index, delta output) of every prompt's engine request, interleaved."""
     streams = [_one(state, f"{request_id}-{i}", p, req, ticket, i, arrival)
                for i, p in enumerate(prompts)]
     if len(streams) == 1:

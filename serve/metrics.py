@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from jaxllm.serve.responses import num_known
 from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,13 +84,20 @@ class RequestTracker:
         self.first_token: float | None = None
         self.last_time = arrival
         self.last_tokens = 0  # tokens of the longest sample so far
-        self.output: RequestOutput | None = None
+        self.output: RequestOutput | None = None  # the newest (delta) output
+        self.num_tokens: dict[int, int] = {}  # sample index -> output tokens so far
+        self.finish_reasons: dict[int, str | None] = {}
         self._done = False
 
     def update(self, output: RequestOutput) -> None:
+        """Counts one delta output (``RequestOutputKind.DELTA``: only the new tokens)."""
         now = time.monotonic()
         self.output = output
-        tokens = max((num_known(o.token_ids) for o in output.outputs), default=0)
+        counts = self.num_tokens
+        for o in output.outputs:
+            counts[o.index] = counts.get(o.index, 0) + len(o.token_ids)
+            self.finish_reasons[o.index] = o.finish_reason
+        tokens = max(counts.values(), default=0)
         if tokens > self.last_tokens:
             if self.first_token is None:
                 self.first_token = now
@@ -117,13 +123,13 @@ class RequestTracker:
         if out is None:
             m.success.labels(m.model_name, "abort").inc(self.n)
             return
-        generated = sum(num_known(o.token_ids) for o in out.outputs)
+        generated = sum(self.num_tokens.values())
         m.prompt_tokens.inc(len(out.prompt_token_ids))
         m.generation_tokens.inc(generated)
         m.request_prompt.observe(len(out.prompt_token_ids))
         m.request_generation.observe(generated)
         m.e2e.observe(time.monotonic() - self.arrival)
-        reasons = [o.finish_reason or "abort" for o in out.outputs]
+        reasons = [reason or "abort" for reason in self.finish_reasons.values()]
         reasons += ["abort"] * (self.n - len(reasons))
         for reason in reasons:
             m.success.labels(m.model_name, reason).inc()

@@ -16,7 +16,12 @@ from jaxllm.serve.constraints import structured_outputs
 from jaxllm.serve.errors import bad_request
 from jaxllm.serve.tools import ToolRequest, parse_tools
 
-from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from jaxllm.sampling_params import (
+    MAX_LOGPROBS,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_PROMPTS = 128  # prompts in one completions request
 MAX_STOP = 64  # stop strings / stop token ids per request
@@ -258,7 +263,10 @@ def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,
         ignore_eos=f.bool("ignore_eos", False), max_tokens=max_tokens,
         min_tokens=f.int("min_tokens", 0), logprobs=logprobs,
         skip_special_tokens=f.bool("skip_special_tokens", True),
-        structured_outputs=structured)
+        structured_outputs=structured,
+        # The server reads only what is new each step (responses.ResponseBuilder), so the
+        # engine never copies a request's whole output per step.
+        output_kind=RequestOutputKind.DELTA)
     try:
         return SamplingParams(**fields)
     except ValueError as e:

@@ -1,6 +1,7 @@
 """Response bodies and SSE chunks of completions and chat completions, as vLLM/OpenAI send
-them. A :class:`ResponseBuilder` turns cumulative engine outputs into whole responses or into
-stream deltas (one per choice, empty ones skipped)."""
+them. A :class:`ResponseBuilder` turns the engine's delta outputs
+(``RequestOutputKind.DELTA``: each holds only what is new) into stream chunks (one per choice,
+empty ones skipped), or gathers them into a whole response."""
 
 from __future__ import annotations
 
@@ -23,15 +24,6 @@ def sse(obj: dict) -> bytes:
         b"\n\n"
 
 
-def num_known(token_ids: list[int]) -> int:
-    """Output tokens with known ids: the engine may end the list with placeholders (negative
-    ids) for tokens still being sampled on the device."""
-    n = len(token_ids)
-    while n and token_ids[n - 1] < 0:
-        n -= 1
-    return n
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -39,12 +31,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 @dataclasses.dataclass
 class _Choice:
-    text_sent: int = 0  # characters of output text already streamed
-    tokens_sent: int = 0  # output tokens whose logprobs were streamed
     text_offset: int = 0  # completions logprobs: offset of the next token's text
     num_tokens: int = 0
     finished: bool = False
     started: bool = False  # echo / role sent
+    text: str = ""  # the output so far, kept where it is read whole (tool calls)
+    # Non-streaming: the output gathered from the deltas (``add``).
+    parts: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    last: CompletionOutput | None = None  # the newest delta (finish and stop reasons)
 
 
 class ResponseBuilder:
@@ -72,33 +68,42 @@ class ResponseBuilder:
                       for _ in self.choices]
 
     # ----------------------------------------------------------------- non-streaming
-    def full(self, finals: dict[int, RequestOutput]) -> dict:
-        choices = []
-        for prompt_index in sorted(finals):
-            for out in finals[prompt_index].outputs:
-                index = prompt_index * self.n + out.index
-                choices.append(self._full_choice(index, prompt_index, out))
-                self.choices[index].num_tokens = num_known(out.token_ids)
-        choices.sort(key=lambda c: c["index"])
+    def add(self, prompt_index: int, output: RequestOutput) -> None:
+        """Gathers one delta output of prompt ``prompt_index`` for ``full``."""
+        for out in output.outputs:
+            state = self.choices[prompt_index * self.n + out.index]
+            state.parts.append(out.text)
+            state.token_ids += out.token_ids
+            if out.logprobs is not None:
+                if state.logprobs is None:
+                    state.logprobs = []
+                state.logprobs.extend(out.logprobs)
+            state.last = out
+            state.num_tokens = len(state.token_ids)
+
+    def full(self) -> dict:
+        """The whole response, from what ``add`` gathered."""
+        choices = [self._full_choice(index, state) for index, state in enumerate(self.choices)
+                   if state.last is not None]
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
-    def _full_choice(self, index: int, prompt_index: int, out: CompletionOutput) -> dict:
-        known = num_known(out.token_ids)
-        logprobs = self._logprobs(self.choices[index], out.token_ids[:known],
-                                  out.logprobs[:known] if out.logprobs is not None else None)
+    def _full_choice(self, index: int, state: _Choice) -> dict:
+        text = "".join(state.parts)
+        logprobs = self._logprobs(state, state.token_ids, state.logprobs)
         choice = {"index": index}
-        finish = out.finish_reason or "abort"
+        finish = state.last.finish_reason or "abort"
         tool = self.tools[index]
         if tool is not None:
-            choice["message"] = tool.message(out.text)
+            choice["message"] = tool.message(text)
             finish = tool.finish_reason(finish)
         elif self.req.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            echo = self.prompt_texts[prompt_index] if self.req.echo else ""
-            choice["text"] = echo + out.text
-        choice.update(logprobs=logprobs, finish_reason=finish, stop_reason=out.stop_reason)
+            echo = self.prompt_texts[index // self.n] if self.req.echo else ""
+            choice["text"] = echo + text
+        choice.update(logprobs=logprobs, finish_reason=finish,
+                      stop_reason=state.last.stop_reason)
         return choice
 
     def usage(self) -> dict:
@@ -118,34 +123,28 @@ class ResponseBuilder:
         return chunks
 
     def deltas(self, prompt_index: int, output: RequestOutput) -> list[dict]:
-        """Stream chunks for what is new in ``output`` (cumulative) since the last call."""
+        """Stream chunks for one delta output (what is new since the previous one)."""
         chunks = []
         for out in output.outputs:
             index = prompt_index * self.n + out.index
             state = self.choices[index]
             if state.finished:
                 continue
-            text = out.text[state.text_sent:]
-            known = num_known(out.token_ids)
-            if out.logprobs is not None:
-                known = min(known, len(out.logprobs))
-            new_tokens = out.token_ids[state.tokens_sent:known]
-            state.num_tokens = known
+            text, new_tokens = out.text, out.token_ids
+            state.num_tokens += len(new_tokens)
             finish = out.finish_reason or ("abort" if output.finished else None)
             want_logprobs = out.logprobs is not None and bool(new_tokens)
             tool = self.tools[index]
             pieces = [{"content": text}] if text else []
             if tool is not None:
-                pieces = tool.deltas(out.text, finish is not None)
+                state.text += text
+                pieces = tool.deltas(state.text, finish is not None)
                 finish = tool.finish_reason(finish)
             if not pieces and finish is None and not want_logprobs:
                 continue  # nothing to show yet (text held back, or an empty prefill step)
             logprobs = None
             if out.logprobs is not None:
-                logprobs = self._logprobs(state, new_tokens,
-                                          out.logprobs[state.tokens_sent:known])
-                state.tokens_sent = known
-            state.text_sent = len(out.text)
+                logprobs = self._logprobs(state, new_tokens, out.logprobs)
             if not state.started:
                 state.started = True
                 if self.req.echo:

@@ -1,6 +1,6 @@
 """AsyncLLMEngine's delivery of outputs, with a stand-in engine (no model): one event-loop
-wake-up per step, and a consumer that falls behind gets the newest cumulative output instead
-of a backlog, losing nothing."""
+wake-up per step, and a consumer that falls behind gets the newest cumulative output (or the
+waiting delta outputs merged into one) instead of a backlog, losing nothing."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
 from jaxllm.engine.sequence import RequestMetrics
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def cumulative(request_id: str, tokens: list[int], finished: bool) -> RequestOutput:
@@ -31,8 +32,8 @@ async def wait_until(condition, timeout: float = 30.0) -> None:
 class StandInEngine:
     """Each step adds one token to every request; ``fail_at`` makes that step raise."""
 
-    def __init__(self, num_tokens: int, fail_at: int | None = None):
-        self.num_tokens, self.fail_at = num_tokens, fail_at
+    def __init__(self, num_tokens: int, fail_at: int | None = None, delta: bool = False):
+        self.num_tokens, self.fail_at, self.delta = num_tokens, fail_at, delta
         self.requests: dict[str, list[int]] = {}
         self.steps = 0
         self.go = threading.Event()
@@ -57,7 +58,7 @@ class StandInEngine:
         for request_id, tokens in list(self.requests.items()):
             tokens.append(self.steps)
             done = len(tokens) >= self.num_tokens
-            outputs.append(cumulative(request_id, tokens, done))
+            outputs.append(cumulative(request_id, tokens[-1:] if self.delta else tokens, done))
             if done:
                 del self.requests[request_id]
         return outputs
@@ -106,6 +107,29 @@ def test_a_consumer_that_falls_behind_gets_the_newest_output_and_loses_nothing()
     assert seen[-1] == list(range(1, 13))  # every token, in the last (finished) output
     assert len(seen) < 12  # the backlog collapsed into fewer, newer outputs
     assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:], strict=False))  # extends
+
+
+def test_a_consumer_that_falls_behind_gets_delta_outputs_merged():
+    stand_in = StandInEngine(num_tokens=12, delta=True)
+    engine = AsyncLLMEngine(stand_in)
+    engine.start()
+
+    async def scenario():
+        seen = []
+        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate("r", "prompt", params):
+            seen.append(out.outputs[0])
+            if len(seen) == 1:
+                await wait_until(lambda: not stand_in.requests)
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    assert [t for out in seen for t in out.token_ids] == list(range(1, 13))
+    assert "".join(out.text for out in seen) == "".join(f"<{t}>" for t in range(1, 13))
+    assert len(seen) == 2 and seen[-1].finish_reason == "length"
 
 
 def test_an_error_behind_waiting_outputs_still_reaches_the_consumer():

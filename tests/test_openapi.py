@@ -314,10 +314,13 @@ def test_response_bodies_match_the_documented_shapes(chat):
     def builder() -> ResponseBuilder:
         return ResponseBuilder(req, "id-1", MODEL, [2], ["hi"], lambda t: f"<{t}>")
 
-    assert valid(kind, builder().full({0: output("ab", [5, 6], "length")}))
+    whole = builder()
+    whole.add(0, output("a", [5], None))
+    whole.add(0, output("b", [6], "length"))
+    assert valid(kind, whole.full())
     streamer = builder()
     chunks = [*streamer.first_chunks(), *streamer.deltas(0, output("a", [5], None)),
-              *streamer.deltas(0, output("ab", [5, 6], "stop")), streamer.usage_chunk()]
+              *streamer.deltas(0, output("b", [6], "stop")), streamer.usage_chunk()]
     for chunk in chunks:
         assert valid(kind + "Chunk", chunk), chunk
 

@@ -19,7 +19,7 @@ from typing import Any
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +67,13 @@ class AsyncLLMEngine:
                        params: SamplingParams | PoolingParams | None = None, *,
                        prompt_token_ids: list[int] | None = None,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative RequestOutputs until the request finishes (an embedding request,
-        ``PoolingParams``: one EmbeddingRequestOutput when it does). Raises ValueError
-        for bad input (before anything is queued) and EngineDeadError if the engine dies.
-        Closing the iterator early (client gone) aborts the request."""
+        """Yields RequestOutputs (as ``params.output_kind`` asks) until the request finishes
+        (an embedding request, ``PoolingParams``: one EmbeddingRequestOutput when it does).
+        Raises ValueError for bad input (before anything is queued) and EngineDeadError if the
+        engine dies. Closing the iterator early (client gone) aborts the request."""
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         added: asyncio.Future = loop.create_future()
@@ -103,15 +104,16 @@ class AsyncLLMEngine:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                # Outputs are cumulative: when several wait (the consumer fell behind the
-                # engine), the newest holds them all, and yielding it alone saves the consumer
-                # one write per step it missed. An error behind it is raised on the next get.
+                # When several outputs wait (the consumer fell behind the engine), they go out
+                # as one: the newest cumulative output holds them all, delta outputs are
+                # merged. That saves the consumer one write per step it missed. An error
+                # behind them is raised on the next get.
                 while not item.finished and not stream.empty():
                     newer = stream.get_nowait()
                     if isinstance(newer, BaseException):
                         stream.put_nowait(newer)
                         break
-                    item = newer
+                    item = item.merge(newer) if delta else newer
                 finished = item.finished
                 yield item
                 if finished:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5  # prompt tokens of decoder context (vLLM's)
 # Give up waiting for a UTF-8 character to complete after this many undecodable tokens: only
@@ -54,6 +54,9 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(tail[self.prefix_offset:])
         self._held = ""  # decoded text not shown yet: it may be the start of a stop string
         self._chunks: list[str] = []  # emitted deltas
+        # Delta outputs only: what was emitted since the last take_new_text().
+        self._untaken: list[str] | None = [] if params.output_kind is RequestOutputKind.DELTA \
+            else None
 
     # ------------------------------------------------------------------------------ public
 
@@ -68,6 +71,14 @@ class IncrementalDetokenizer:
         if len(self._chunks) > 1:  # join lazily: appending stays O(delta) per step
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
+
+    def take_new_text(self) -> str:
+        """The text emitted since the previous call (delta outputs): O(new text), where
+        ``output_text`` joins the whole output."""
+        new, self._untaken = self._untaken, []
+        if new is None:
+            raise ValueError("take_new_text() is for delta outputs (output_kind=DELTA)")
+        return new[0] if len(new) == 1 else "".join(new)
 
     def update(self, new_token_ids: Sequence[int],
                stop_terminated: bool = False) -> tuple[str, str | None]:
@@ -144,6 +155,8 @@ class IncrementalDetokenizer:
     def _emit(self, text: str) -> str:
         if text:
             self._chunks.append(text)
+            if self._untaken is not None:
+                self._untaken.append(text)
         return text
 
 

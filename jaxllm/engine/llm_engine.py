@@ -37,7 +37,7 @@ from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, S
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import SamplerInput, needs_penalties
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
 
 logger = logging.getLogger(__name__)
@@ -458,7 +458,8 @@ class LLMEngine:
             if seq.status.is_finished and detok.stop_str is None:
                 detok.flush()  # release text held back for a possible stop string
         outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
-                   for g in touched.values() if self.stream_outputs and not g.is_finished]
+                   for g in touched.values() if self.stream_outputs and not g.is_finished
+                   and g.params.output_kind is not RequestOutputKind.FINAL_ONLY]
         outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
         return outputs
 

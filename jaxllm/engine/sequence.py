@@ -58,6 +58,7 @@ class Sequence:
         # Async scheduling: positions of tokens still being sampled on the device -> their
         # row in the step that samples them. token_ids holds PLACEHOLDER_TOKEN there.
         self.pending: dict[int, int] = {}
+        self.num_sent_tokens = 0  # output tokens already in a delta output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,6 +76,13 @@ class Sequence:
     def known_output_token_ids(self) -> list[int]:
         """Output tokens without the placeholders still being sampled on the device."""
         return self.token_ids[len(self.prompt_token_ids):len(self.token_ids) - len(self.pending)]
+
+    def take_new_output_token_ids(self) -> list[int]:
+        """Known output tokens not yet in a delta output (and marks them sent)."""
+        start = len(self.prompt_token_ids) + self.num_sent_tokens
+        new = self.token_ids[start:len(self.token_ids) - len(self.pending)]
+        self.num_sent_tokens += len(new)
+        return new
 
     @property
     def num_output_tokens(self) -> int:
