@@ -1,5 +1,5 @@
-"""The aiohttp application: routes, middlewares (HTTP metrics -> error envelope -> API key)
-and background tasks (stats log line, memory monitor)."""
+"""The aiohttp application: routes, middlewares (HTTP metrics -> error envelope -> CORS
+preflight, when enabled -> API key) and background tasks (stats log line, memory monitor)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from jaxllm.serve import embeddings, generation, routes
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.errors import APIError, error_response
 from jaxllm.serve.generation import CLIENT_GONE, STATE
+from jaxllm.serve.security import CORS
 from jaxllm.serve.state import ServerState
 from jaxllm.serve.stats import StatsLogger
 
@@ -28,9 +29,15 @@ OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/version", "/openapi.js
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> web.Application:
     """The app for an engine whose loop is (or will be) started by the caller."""
     state = ServerState(engine, config)
+    cors = CORS(config.allowed_origins, config.allowed_methods, config.allowed_headers,
+                config.allow_credentials)
+    middlewares = [_count_responses, _error_envelope, _require_api_key(config.api_key)]
+    if cors.enabled:  # preflights are answered before the API key is asked for
+        middlewares.insert(2, cors.preflight)
     app = web.Application(client_max_size=config.max_request_body_bytes,
-                          middlewares=[_count_responses, _error_envelope,
-                                       _require_api_key(config.api_key)])
+                          middlewares=middlewares)
+    if cors.enabled:
+        app.on_response_prepare.append(cors.on_response_prepare)
     app[STATE] = state
     app.router.add_post("/v1/completions", generation.completions)
     app.router.add_post("/v1/chat/completions", generation.chat_completions)

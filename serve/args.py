@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 
+from jaxllm.serve import security
+
 from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
 from jaxllm.pooling_params import PoolingParams
 
@@ -46,6 +48,15 @@ class ServerConfig:
     tool_call_parser: str | None = None  # "hermes" | "llama3_json"
     # /v1/embeddings: how a prompt's hidden states become its embedding (--pooler-config).
     pooler_config: PoolingParams = PoolingParams()
+    # HTTPS and CORS (serve/security.py).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE
+    allowed_origins: tuple[str, ...] = ()  # () = CORS off
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -68,6 +79,8 @@ class ServerConfig:
         need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
              f"{self.tool_call_parser!r}")
+        security.check_tls_files(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs,
+                                 self.ssl_cert_reqs)
 
 
 def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
@@ -106,6 +119,7 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                        metavar="JSON",
                        help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", '
                             '"normalize": true}\' (default: LAST, normalized)')
+    security.add_args(front)
     front.add_argument("--disable-log-stats", action="store_true")
     front.add_argument("--disable-log-requests", action="store_true",
                        help="no access log line per request")
@@ -192,7 +206,11 @@ def configs_from_args(args: argparse.Namespace,
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
-        pooler_config=args.pooler_config or PoolingParams())
+        pooler_config=args.pooler_config or PoolingParams(),
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     return engine, server
 
 

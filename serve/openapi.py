@@ -137,10 +137,10 @@ def common(model_names: Sequence[str]) -> dict:
 def completion_request(model_names: Sequence[str]) -> dict:
     ids = array(TOKEN_ID, minItems=1)
     prompt = {"anyOf": [string(minLength=1), ids,
-                        array({"anyOf": [string(minLength=1), ids]}, minItems=1,
-                              maxItems=protocol.MAX_PROMPTS)],
+                        array(string(minLength=1), minItems=1, maxItems=protocol.MAX_PROMPTS),
+                        array(ids, minItems=1, maxItems=protocol.MAX_PROMPTS)],
               "description": "A string, a list of strings, token ids, or a list of token id "
-                             "lists."}
+                             "lists (not a mix of strings and lists)."}
     return request({
         "prompt": prompt, **common(model_names),
         "max_tokens": integer(16, minimum=1),

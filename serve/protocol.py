@@ -298,6 +298,9 @@ def _prompts(value: Any, vocab_size: int) -> list[str | list[int]]:
     if len(value) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}",
                           "prompt")
+    if not (all(isinstance(p, str) for p in value) or all(isinstance(p, list) for p in value)):
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or "
+                          "a list of token-id lists (not a mix)", "prompt")
     prompts: list[str | list[int]] = []
     for p in value:
         if isinstance(p, str):

@@ -18,6 +18,7 @@ from aiohttp import web
 from jaxllm.serve.app import build_app, log_config
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.generation import STATE
+from jaxllm.serve.security import ssl_context
 from jaxllm.serve.state import ServerState
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
@@ -35,11 +36,14 @@ async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio
                            logging.getLogger("aiohttp.access"))
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        tls = ssl_context(config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs,
+                          config.ssl_cert_reqs)
+        site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
         await site.start()
         state = app[STATE]
+        scheme = "https" if tls is not None else "http"
         logger.info("serving %s on %s (%s)", state.model_name,
-                    ", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses),
+                    ", ".join(f"{scheme}://{a[0]}:{a[1]}" for a in runner.addresses),
                     log_config(config))
         if on_ready is not None:
             on_ready(app, runner.addresses)
@@ -155,5 +159,6 @@ class BackgroundServer:
     def _on_ready(self, app: web.Application, addresses: list) -> None:
         self.app = app
         host, port = addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        scheme = "https" if self.config.ssl_certfile else "http"
+        self.url = f"{scheme}://{host}:{port}"
         self._ready.set()

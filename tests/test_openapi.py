@@ -207,7 +207,7 @@ CHAT_SAMPLES = SAMPLING_SAMPLES | {
     "chat_template_kwargs": {"chat_template_kwargs": {"enable_thinking": False}},
 }
 COMPLETION_SAMPLES = SAMPLING_SAMPLES | {
-    "prompt": {"prompt": ["a", [1, 2]]}, "echo": {"echo": True}, "logprobs": {"logprobs": 0},
+    "prompt": {"prompt": [[1], [1, 2]]}, "echo": {"echo": True}, "logprobs": {"logprobs": 0},
     "add_special_tokens": {"add_special_tokens": False},
 }
 EMBEDDING_SAMPLES = {
@@ -288,7 +288,7 @@ def test_sample_bodies_validate_as_the_parser_decides():
     parse(accepted)
     for prompt in ("hi", ["a", "b"], [1, 2], [[1], [2, 3]]):
         assert valid("CompletionRequest", {"prompt": prompt}), prompt
-    for prompt in ("", [], ["a", 1], [-1], ["x"] * 129, {"text": "hi"}):
+    for prompt in ("", [], ["a", 1], ["a", [1, 2]], [-1], ["x"] * 129, {"text": "hi"}):
         assert not valid("CompletionRequest", {"prompt": prompt}), prompt
     assert valid("TokenizeRequest", {"prompt": "hi"})
     assert valid("TokenizeRequest", {"messages": USER, "add_generation_prompt": False})

@@ -1,0 +1,124 @@
+"""The security basics of a public endpoint: HTTPS with a self-signed certificate, CORS off
+unless origins are named (preflights, errors and streams), the API key never in the logs, and
+clear errors for TLS/CORS settings that cannot work. A tiny random model over SmolLM2's
+tokenizer behind a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+
+import aiohttp
+import pytest
+from jaxllm.serve.args import ServerConfig, build_parser, configs_from_args
+from jaxllm.serve.server import BackgroundServer
+from test_engine import make_engine
+from test_structured_outputs import tiny_over_smollm2_vocab  # noqa: F401 - a fixture
+
+from jaxllm import AsyncLLMEngine
+
+TLS = os.path.join(os.path.dirname(__file__), "fixtures", "tls")
+CERT, KEY = os.path.join(TLS, "localhost.crt"), os.path.join(TLS, "localhost.key")
+ORIGIN = "https://app.example.com"
+KEY_TEXT = "s3cret-key-never-logged"
+C = "/v1/completions"
+BODY = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+
+def serve(model, **config):
+    engine = AsyncLLMEngine(make_engine(model, max_model_len=64))
+    return BackgroundServer(engine, ServerConfig(host="127.0.0.1", port=0,
+                                                 disable_log_stats=True, **config))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_https_with_a_self_signed_certificate(tiny_over_smollm2_vocab):  # noqa: F811
+    trusted = ssl.create_default_context(cafile=CERT)
+    with serve(tiny_over_smollm2_vocab, ssl_certfile=CERT, ssl_keyfile=KEY) as server:
+        assert server.url.startswith("https://")
+
+        async def scenario():
+            async with aiohttp.ClientSession(base_url=server.url) as session:
+                health = await session.get("/health", ssl=trusted)
+                done = await session.post(C, json=BODY, ssl=trusted)
+                body = await done.json()
+                with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                    await session.get("/health")  # the default trust store: not trusted
+            plain = server.url.replace("https://", "http://")
+            async with aiohttp.ClientSession(base_url=plain) as session:
+                with pytest.raises(aiohttp.ClientError):
+                    await session.get("/health")  # no plain HTTP on the TLS port
+            return health.status, done.status, body
+
+        health, status, body = run(scenario())
+    assert health == 200 and status == 200
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_cors_is_off_by_default_and_follows_allowed_origins(tiny_over_smollm2_vocab,  # noqa: F811
+                                                            caplog):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    auth = {"Authorization": f"Bearer {KEY_TEXT}", "Origin": ORIGIN}
+
+    async def calls(server):
+        async with aiohttp.ClientSession(base_url=server.url) as session:
+            pre = await session.options(C, headers=preflight)
+            other = await session.options(C, headers=preflight | {"Origin": "https://evil.example"})
+            wrong_key = await session.post(C, json=BODY, headers=auth | {
+                "Authorization": "Bearer wrong"})
+            stream = await session.post(C, json=BODY | {"stream": True}, headers=auth)
+            text = await stream.text()
+            foreign = await session.post(C, json=BODY, headers=auth | {
+                "Origin": "https://evil.example"})
+            return pre, other, wrong_key, stream, text, foreign
+
+    caplog.set_level(logging.DEBUG)
+    with serve(tiny_over_smollm2_vocab, api_key=KEY_TEXT) as server:
+        off = run(calls(server))
+    with serve(tiny_over_smollm2_vocab, api_key=KEY_TEXT, allowed_origins=(ORIGIN,)) as server:
+        on = run(calls(server))
+
+    allow = "Access-Control-Allow-Origin"
+    pre, other, wrong_key, stream, text, foreign = off
+    assert pre.status == 405 and other.status == 405  # no CORS: no preflight answers
+    assert all(allow not in r.headers for r in off if isinstance(r, aiohttp.ClientResponse))
+    assert wrong_key.status == 401 and stream.status == 200 and text.endswith("[DONE]\n\n")
+
+    pre, other, wrong_key, stream, text, foreign = on
+    assert pre.status == 204 and pre.headers[allow] == ORIGIN
+    assert "POST" in pre.headers["Access-Control-Allow-Methods"]
+    assert pre.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert other.status == 403 and allow not in other.headers
+    assert wrong_key.status == 401 and wrong_key.headers[allow] == ORIGIN  # readable error
+    assert stream.status == 200 and stream.headers[allow] == ORIGIN
+    assert text.endswith("data: [DONE]\n\n")
+    assert foreign.status == 200 and allow not in foreign.headers  # the browser refuses it
+    assert KEY_TEXT not in caplog.text  # neither the access log nor the start-up line
+    assert "POST /v1/completions" in caplog.text  # the access log did run
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ssl-keyfile", KEY], "--ssl-keyfile and --ssl-certfile go together"),
+    (["--ssl-keyfile", KEY, "--ssl-certfile", "/no/such.crt"], "--ssl-certfile='/no/such.crt'"),
+    (["--ssl-cert-reqs", "2"], "need --ssl-keyfile"),
+    (["--ssl-keyfile", KEY, "--ssl-certfile", CERT, "--ssl-cert-reqs", "2"],
+     "give --ssl-ca-certs"),
+])
+def test_tls_settings_that_cannot_work_are_refused_before_loading(flags, message):
+    args = build_parser().parse_args(flags)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        configs_from_args(args, environ={})
+
+
+def test_allowed_origins_is_a_json_list(capsys):
+    args = build_parser().parse_args(["--allowed-origins", '["https://a.example", "*"]'])
+    assert configs_from_args(args, environ={})[1].allowed_origins == ("https://a.example", "*")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--allowed-origins", "https://a.example"])
+    assert "JSON list" in capsys.readouterr().err
