@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
+# A constraint's text (schema JSON, regex, grammar, choices): each one is compiled when its
+# request arrives, so an unbounded one is unbounded work on the tokenizer threads.
+MAX_CONSTRAINT_CHARS = 64 * 1024
 
 
 def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
@@ -72,7 +75,13 @@ def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
             raise bad_request("guided_json must be a JSON schema (an object or its JSON "
                               "text)", name) from None
     try:
-        return name, StructuredOutputsParams.from_dict(value)
+        params = StructuredOutputsParams.from_dict(value)
     except (ValueError, TypeError) as e:
         raise bad_request(f"{name}: {e}" if not str(e).startswith("structured_outputs")
                           else str(e), name) from None
+    size = len(params.json or params.regex or params.grammar or "") + sum(
+        len(c) for c in params.choice or ())
+    if size > MAX_CONSTRAINT_CHARS:
+        raise bad_request(f"{name}: the constraint is {size} characters, more than this "
+                          f"server's limit of {MAX_CONSTRAINT_CHARS}", name)
+    return name, params
