@@ -122,3 +122,18 @@ def test_allowed_origins_is_a_json_list(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--allowed-origins", "https://a.example"])
     assert "JSON list" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("constraint", [{"regex": "a" * (64 * 1024 + 1)},
+                                        {"choice": ["x" * 1024] * 65},
+                                        {"json": {"enum": ["y" * 1024] * 70}}])
+def test_a_constraint_past_its_size_limit_is_refused(constraint):
+    from jaxllm.serve.errors import APIError
+    from jaxllm.serve.protocol import parse_completion
+
+    parse_completion({"prompt": "hi", "structured_outputs": {"regex": "a+"}}, vocab_size=100,
+                     max_n=4)
+    with pytest.raises(APIError) as refused:
+        parse_completion({"prompt": "hi", "structured_outputs": constraint}, vocab_size=100,
+                         max_n=4)
+    assert refused.value.status == 400 and "limit of 65536" in refused.value.message
