@@ -23,6 +23,8 @@ API_KEY_ENV = "JAXLLM_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 CHAT_TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates")
 MEMORY_MONITOR_ENV = "JAXLLM_MEMORY_MONITOR"
+# vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: stay up (health 503) instead of exiting 1.
+KEEP_ALIVE_ENV = "JAXLLM_KEEP_ALIVE_ON_ENGINE_DEATH"
 MEMORY_MONITOR_INTERVAL_ENV = "JAXLLM_MEMORY_MONITOR_INTERVAL"
 
 
@@ -57,6 +59,8 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # False (vLLM's behaviour): when the engine dies the server stops and exits 1.
+    keep_alive_on_engine_death: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -202,6 +206,7 @@ def configs_from_args(args: argparse.Namespace,
         shutdown_timeout=args.shutdown_timeout, disable_log_stats=args.disable_log_stats,
         disable_log_requests=args.disable_log_requests,
         memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
+        keep_alive_on_engine_death=environ.get(KEEP_ALIVE_ENV, "0") not in ("", "0", "false"),
         memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxllm serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        serve_forever(AsyncLLMEngine(engine), server_config)
+        return serve_forever(AsyncLLMEngine(engine), server_config)
     except OSError as e:  # e.g. the port is taken
         print(f"jaxllm serve: error: {e}", file=sys.stderr)
         return 1
-    return 0

@@ -4,6 +4,11 @@ Shutdown (SIGTERM / SIGINT, or ``BackgroundServer.stop``): new requests get 503 
 ``/health`` turns 503 while the socket stays open; in-flight requests may finish for up to
 ``--shutdown-timeout`` seconds; what is left is aborted (``finish_reason="abort"``); then the
 listener closes and the engine loop stops. A second signal aborts at once.
+
+When the engine dies (a failing step: its requests in flight get a 500), the server does the
+same and exits 1, as vLLM does, for the orchestrator to restart it;
+``JAXLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1`` keeps it up instead, answering 503 on ``/health``,
+``/live`` and new requests.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 from jaxllm.serve.app import build_app, log_config
-from jaxllm.serve.args import ServerConfig
+from jaxllm.serve.args import KEEP_ALIVE_ENV, ServerConfig
 from jaxllm.serve.generation import STATE
 from jaxllm.serve.security import ssl_context
 from jaxllm.serve.state import ServerState
@@ -25,12 +30,16 @@ from jaxllm.engine.async_engine import AsyncLLMEngine
 
 logger = logging.getLogger("serve")
 ABORT_GRACE = 5.0  # seconds for aborted requests to send their last chunk
+ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks that the engine loop is alive
 
 
 async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio.Event,
-                     on_ready: Callable[[web.Application, list], None] | None = None) -> None:
-    """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring)."""
+                     on_ready: Callable[[web.Application, list], None] | None = None) -> int:
+    """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring).
+    Returns the exit status: 0, or 1 when it stopped because the engine died."""
     app = build_app(engine, config)
+    watcher = None if config.keep_alive_on_engine_death else asyncio.create_task(
+        _stop_when_dead(engine, stop))
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
                            access_log=None if config.disable_log_requests else
                            logging.getLogger("aiohttp.access"))
@@ -50,7 +59,20 @@ async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio
         await stop.wait()
         await drain(state, config.shutdown_timeout)
     finally:
+        if watcher is not None:
+            watcher.cancel()
         await runner.cleanup()
+    return 1 if engine.dead_error is not None and watcher is not None else 0
+
+
+async def _stop_when_dead(engine: AsyncLLMEngine, stop: asyncio.Event) -> None:
+    """As vLLM: once the engine has died (its requests in flight got their 500s), the server
+    stops and exits non-zero, for the orchestrator to restart it."""
+    while engine.dead_error is None:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+    logger.error("the engine died (%r): stopping, exit status 1 (%s=1 keeps the server up "
+                 "with /health answering 503)", engine.dead_error, KEEP_ALIVE_ENV)
+    stop.set()
 
 
 async def drain(state: ServerState, timeout: float) -> None:
@@ -67,10 +89,11 @@ async def drain(state: ServerState, timeout: float) -> None:
     logger.info("drained; stopping")
 
 
-def serve_forever(engine: AsyncLLMEngine, config: ServerConfig) -> None:
-    """Blocks until SIGTERM/SIGINT and the drain that follows; stops the engine loop."""
+def serve_forever(engine: AsyncLLMEngine, config: ServerConfig) -> int:
+    """Blocks until SIGTERM/SIGINT (or the engine's death) and the drain that follows; stops
+    the engine loop; returns the exit status (``run_server``'s)."""
 
-    async def main() -> None:
+    async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         states: list[ServerState] = []
@@ -83,11 +106,12 @@ def serve_forever(engine: AsyncLLMEngine, config: ServerConfig) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
-        await run_server(engine, config, stop, lambda app, _: states.append(app[STATE]))
+        return await run_server(engine, config, stop,
+                                lambda app, _: states.append(app[STATE]))
 
     engine.start()
     try:
-        asyncio.run(main())
+        return asyncio.run(main())
     finally:
         engine.shutdown()
 
@@ -104,6 +128,7 @@ class BackgroundServer:
         self.config = config
         self.app: web.Application | None = None
         self.url = ""
+        self.exit_status: int | None = None  # run_server's, once it has returned
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
@@ -124,9 +149,18 @@ class BackgroundServer:
 
     def stop(self, timeout: float = 60.0) -> None:
         if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # its loop has ended already (it stopped by itself)
+                pass
         self._thread.join(timeout)
         self.engine.shutdown()
+
+    def wait(self, timeout: float) -> int | None:
+        """Waits for the server to stop by itself (the engine died); its exit status, or None
+        if it is still serving after ``timeout`` seconds."""
+        self._thread.join(timeout)
+        return None if self._thread.is_alive() else self.exit_status
 
     def call(self, fn: Callable, timeout: float = 60.0):
         """Runs ``await fn()`` on the server's loop (e.g. ``engine.run_in_engine(...)``) and
@@ -148,7 +182,8 @@ class BackgroundServer:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            await run_server(self.engine, self.config, self._stop, self._on_ready)
+            self.exit_status = await run_server(self.engine, self.config, self._stop,
+                                                self._on_ready)
 
         try:
             asyncio.run(main())

@@ -1,6 +1,7 @@
 """A failing engine step, injected into a live server: the requests in flight get a 500 (in
-the status line, or in-band once a stream has started), /health and /live turn 503, new
-requests get 503, and nothing hangs."""
+the status line, or in-band once a stream has started), then the server stops with exit
+status 1 (vLLM's behaviour), or, kept alive, /health and /live turn 503 and new requests get
+503; nothing hangs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 from conftest import SMOLLM2_ENGINE_ARGS
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.server import BackgroundServer
+from test_engine import make_engine
+from test_structured_outputs import tiny_over_smollm2_vocab  # noqa: F401 - a fixture
 
 from jaxllm import AsyncLLMEngine, EngineConfig, LLMEngine
 
@@ -35,7 +38,7 @@ def faulty(smollm2):
 
     engine.step = step  # the async engine's loop calls engine.step()
     config = ServerConfig(host="127.0.0.1", port=0, disable_log_requests=True,
-                          disable_log_stats=True)
+                          disable_log_stats=True, keep_alive_on_engine_death=True)
     with BackgroundServer(AsyncLLMEngine(engine), config) as server:
         yield server, fault
 
@@ -83,3 +86,33 @@ def test_a_failing_step_fails_requests_in_flight_and_turns_health_503(faulty):
     assert late_status == 503 and late["error"]["type"] == "ServiceUnavailableError"
     assert 'jaxllm:engine_healthy{model_name="SmolLM2-135M-Instruct"} 0.0' in metrics
     assert not server.state.active and server.state.handlers == 0
+
+
+def test_the_server_exits_1_when_the_engine_dies(tiny_over_smollm2_vocab):  # noqa: F811
+    engine = make_engine(tiny_over_smollm2_vocab, max_model_len=64)
+    real_step = engine.step
+    fault = {"armed": False}
+
+    def step():
+        if fault["armed"]:
+            raise RuntimeError("injected device fault")
+        return real_step()
+
+    engine.step = step
+    config = ServerConfig(host="127.0.0.1", port=0, disable_log_requests=True,
+                          disable_log_stats=True)
+    server = BackgroundServer(AsyncLLMEngine(engine), config).start()
+    try:
+        async def scenario():
+            async with aiohttp.ClientSession(base_url=server.url) as session:
+                ok = await session.post(C, json={"prompt": "hi", "max_tokens": 2})
+                fault["armed"] = True
+                failed = await session.post(C, json={"prompt": "hi", "max_tokens": 2})
+                return ok.status, failed.status, await failed.json()
+
+        ok, status, body = asyncio.run(asyncio.wait_for(scenario(), 60))
+        exit_status = server.wait(30)  # it stops by itself
+    finally:
+        server.stop()
+    assert ok == 200 and status == 500 and "injected device fault" in body["error"]["message"]
+    assert exit_status == 1
