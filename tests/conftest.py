@@ -90,6 +90,18 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
+def smollm2_header():
+    """The embedded model's config and tokenizer from its GGUF header alone (no weights), for
+    tiny random models that borrow SmolLM2's vocabulary: those compile as tiny models."""
+    from jaxllm.loading import default_model_path
+    from jaxllm.loading.gguf_file import GGUFCheckpoint
+    from jaxllm.loading.tokenizer import tokenizer_from_gguf
+
+    checkpoint = GGUFCheckpoint(default_model_path())
+    return checkpoint.config, tokenizer_from_gguf(checkpoint.metadata)
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     import jaxllm
 

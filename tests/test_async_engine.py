@@ -129,7 +129,9 @@ def test_a_consumer_that_falls_behind_gets_delta_outputs_merged():
         engine.shutdown()
     assert [t for out in seen for t in out.token_ids] == list(range(1, 13))
     assert "".join(out.text for out in seen) == "".join(f"<{t}>" for t in range(1, 13))
-    assert len(seen) == 2 and seen[-1].finish_reason == "length"
+    # However the two threads interleave: fewer outputs than steps, the last one finished.
+    assert len(seen) < 12 and seen[-1].finish_reason == "length"
+    assert all(out.finish_reason is None for out in seen[:-1])
 
 
 def test_an_error_behind_waiting_outputs_still_reaches_the_consumer():

@@ -48,12 +48,13 @@ SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def tiny_over_smollm2_vocab(smollm2):
+def tiny_over_smollm2_vocab(smollm2_header):
     """A 2-layer random model with SmolLM2's vocabulary and tokenizer."""
-    cfg = ModelConfig(**TINY | {"vocab_size": smollm2.config.vocab_size},
-                      eos_token_ids=smollm2.config.eos_token_ids)
-    return LoadedModel("tiny-smollm2-vocab", cfg, random_params(cfg, seed=3),
-                       smollm2.tokenizer, jnp.float32)
+    real, tokenizer = smollm2_header
+    cfg = ModelConfig(**TINY | {"vocab_size": real.vocab_size},
+                      eos_token_ids=real.eos_token_ids)
+    return LoadedModel("tiny-smollm2-vocab", cfg, random_params(cfg, seed=3), tokenizer,
+                       jnp.float32)
 
 
 def run(engine, requests):
@@ -145,19 +146,18 @@ def test_bad_constraints_are_refused_before_anything_is_queued(tiny_over_smollm2
     assert_engine_idle(engine)
 
 
-def test_bitmask_bits_are_the_grammars_tokens(smollm2):
+def test_bitmask_bits_are_the_grammars_tokens(smollm2_header):
     """The host bitmask allows exactly the tokens the grammar accepts, and the sampler masks
     everything else (xgrammar's and llguidance's bit layout: bit j % 32 of word j // 32)."""
-    compiler = GrammarCompiler(smollm2.tokenizer, smollm2.config.vocab_size,
-                               smollm2.config.eos_token_ids)
+    config, tok = smollm2_header
+    compiler = GrammarCompiler(tok, config.vocab_size, config.eos_token_ids)
     outputs = StructuredOutputs(compiler)
     spec = StructuredOutputsParams(choice=["yes", "no"])
     mask = outputs.fill(outputs.jobs([(1, 7, spec, list)]), num_rows=3)
-    vocab = smollm2.config.vocab_size
+    vocab = config.vocab_size
     allowed = np.asarray(unpack_bitmask(jnp.asarray(mask), vocab))
     assert allowed[0].all() and allowed[2].all()  # unconstrained rows
     ids = set(np.flatnonzero(allowed[1]).tolist())
-    tok = smollm2.tokenizer
     assert {tok.encode("yes")[0], tok.encode("no")[0]} <= ids and len(ids) < 50
     # The sampler never picks a masked token, even where the logits favour one.
     logits = np.zeros((3, vocab), np.float32)

@@ -34,6 +34,7 @@ from jaxllm.engine.model_runner import (
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
+from jaxllm.engine.stats import EngineStats
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import SamplerInput, needs_penalties
@@ -54,33 +55,6 @@ class _LaunchedStep:
     pending: PendingStep | None = None  # None until the sampler is launched
     forward: LaunchedForward | None = None  # constrained: the forward awaiting its sampler
     bitmask: concurrent.futures.Future | None = None  # constrained: the fill under way
-
-
-@dataclasses.dataclass
-class EngineStats:
-    """Counters since start; the server turns them into Prometheus metrics."""
-
-    num_steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    # Host time per phase; output_seconds runs while the device computes (overlapped).
-    schedule_seconds: float = 0.0
-    prepare_seconds: float = 0.0  # block moves, packing, sampling metadata, dispatch
-    output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
-    update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
-    device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
-    bitmask_seconds: float = 0.0  # grammar bitmasks on the critical path (within prepare)
-    bitmask_fill_seconds: float = 0.0  # filling them, on the bitmask thread (overlapped)
-
-    @property
-    def host_seconds(self) -> float:
-        """Host time on the critical path (not overlapped with the device)."""
-        return self.schedule_seconds + self.prepare_seconds + self.update_seconds
-    finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
-    # KV slots summed over steps (jaxllm.engine.kv_usage defines waste and utilisation from them)
-    kv_slots_reserved: int = 0  # block-table slots of running sequences
-    kv_slots_used: int = 0  # ... of which hold a token
-    kv_slots_capacity: int = 0  # usable blocks x block_size
 
 
 class LLMEngine:
@@ -349,7 +323,7 @@ class LLMEngine:
                 num_embedded += 1
             else:
                 self._fill_token(seq, row.group, result, r, positions[r], r in grammar_done)
-        self._account(out, num_embedded)
+        self.stats.account(out, num_embedded, self.block_manager, self.scheduler.running)
         stats = self.stats
         stats.num_steps += 1
         stats.device_wait_seconds += t1 - t0
@@ -483,16 +457,3 @@ class LLMEngine:
         if self.embeddings.is_embedding(group.request_id):
             return self.embeddings.output(group, prompt)
         return RequestOutput.from_group(group, prompt)
-
-    def _account(self, out: SchedulerOutput, num_embedded: int) -> None:
-        stats = self.stats
-        for item in out.scheduled:
-            end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
-            stats.prompt_tokens += max(0, end - item.start)
-        stats.generation_tokens += len(out.sample_rows) - num_embedded
-        bm = self.block_manager
-        stats.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
-        for group in self.scheduler.running:
-            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-                stats.kv_slots_reserved += bm.num_blocks(seq.seq_id) * bm.block_size
-                stats.kv_slots_used += seq.num_computed_tokens

@@ -1,0 +1,53 @@
+"""The engine's counters since start (plain Python): tokens, host time per step phase, KV
+slots; the server turns them into Prometheus metrics, the benchmarks into per-step phases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.engine.sequence import SequenceGroup, SequenceStatus
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters since start; the server turns them into Prometheus metrics."""
+
+    num_steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+    # Host time per phase; output_seconds runs while the device computes (overlapped).
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0  # block moves, packing, sampling metadata, dispatch
+    output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
+    update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
+    device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
+    bitmask_seconds: float = 0.0  # grammar bitmasks on the critical path (within prepare)
+    bitmask_fill_seconds: float = 0.0  # filling them, on the bitmask thread (overlapped)
+
+    finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
+    # KV slots summed over steps (jaxllm.engine.kv_usage defines waste and utilisation from them)
+    kv_slots_reserved: int = 0  # block-table slots of running sequences
+    kv_slots_used: int = 0  # ... of which hold a token
+    kv_slots_capacity: int = 0  # usable blocks x block_size
+
+    @property
+    def host_seconds(self) -> float:
+        """Host time on the critical path (not overlapped with the device)."""
+        return self.schedule_seconds + self.prepare_seconds + self.update_seconds
+
+    def account(self, out: SchedulerOutput, num_embedded: int, block_manager: BlockManager,
+                running: list[SequenceGroup]) -> None:
+        """Counts one recorded step: its prompt and generated tokens, and the KV slots the
+        running sequences reserve and fill."""
+        for item in out.scheduled:
+            end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
+            self.prompt_tokens += max(0, end - item.start)
+        self.generation_tokens += len(out.sample_rows) - num_embedded
+        bm = block_manager
+        self.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
+        for group in running:
+            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
+                self.kv_slots_reserved += bm.num_blocks(seq.seq_id) * bm.block_size
+                self.kv_slots_used += seq.num_computed_tokens
