@@ -25,8 +25,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8"],
-                        help="weight-only int8, quantized at load time")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                        help="quantized at load time: int8 weight-only, or fp8 W8A8")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed (the engine's SamplingParams.seed: the same tokens as "
                              "LLM and the server draw with it); also seeds dummy weights")

@@ -45,6 +45,7 @@ def test_vllm_flags_map_onto_the_engine_config():
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
     assert configs("-tp", "2")[0].tensor_parallel_size == 2
     assert configs("-q", "int8")[0].quantization == "int8"
+    assert configs("--quantization", "fp8")[0].quantization == "fp8"
     assert server.pooler_config == PoolingParams("LAST", normalize=True)
     assert configs("--pooler-config", '{"pooling_type": "mean", "normalize": false}')[1] \
         .pooler_config == PoolingParams("MEAN", normalize=False)

@@ -8,6 +8,11 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
 - :class:`Int8Weight`: int8 weight-only, one symmetric scale per output channel, quantized at
   load time (``--quantization int8``). The int8 values are widened to the activation dtype
   inside the matmul's fusion; the scale multiplies the [.., N] output, not the weight.
+- :class:`Fp8Weight`: FP8 W8A8 (``--quantization fp8``, as vLLM's dynamic FP8): the weight in
+  ``float8_e4m3fn`` with one scale per output channel, quantized at load time; each token's
+  activations are quantized to ``float8_e4m3fn`` with their own scale as the layer runs, and
+  the product of the two FP8 operands accumulates in float32 (on Hopper, XLA's FP8 GEMM); both
+  scales multiply the [.., N] output.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 INT8_MAX = 127
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
 
 @flax.struct.dataclass
@@ -45,7 +52,46 @@ def quantize_int8(kernel: jax.Array) -> Int8Weight:
     return Int8Weight(q=q, scale=scale.astype(kernel.dtype))
 
 
+@flax.struct.dataclass
+class Fp8Weight:
+    """Stands in for a kernel [.., K, N]."""
+
+    q: jax.Array  # float8_e4m3fn [.., K, N]
+    scale: jax.Array  # float32 [.., N]: W[k, n] ~= q[k, n] * scale[n]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return self.q.astype(dtype) * self.scale[..., None, :].astype(dtype)
+
+
+def _absmax_scale(x: jax.Array, axis: int, limit: float) -> jax.Array:
+    """absmax / limit along ``axis`` (float32; 1 where everything is zero)."""
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
+    return jnp.where(absmax > 0, absmax / limit, 1.0)
+
+
+def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
+    """Per-output-channel FP8 (e4m3) of a kernel [.., K, N]: each column scaled so its
+    largest magnitude is e4m3's largest value."""
+    scale = _absmax_scale(kernel, -2, FP8_MAX)  # [.., N]
+    q = jnp.clip(kernel.astype(jnp.float32) / scale[..., None, :], -FP8_MAX, FP8_MAX)
+    return Fp8Weight(q=q.astype(FP8_DTYPE), scale=scale)
+
+
+def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
+    x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]  # [.., 1]: one scale per token
+    xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    y = jax.lax.dot_general(xq, kernel.q, (((xq.ndim - 1,), (kernel.q.ndim - 2,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [.., N]
+    return (y * x_scale * kernel.scale).astype(x.dtype)
+
+
 def linear(x: jax.Array, kernel) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
+    if isinstance(kernel, Fp8Weight):
+        return _fp8_linear(x, kernel)
     if isinstance(kernel, Int8Weight):
         y = jnp.dot(x, kernel.q.astype(x.dtype))
         return y * kernel.scale.astype(x.dtype)

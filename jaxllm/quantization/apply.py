@@ -9,12 +9,14 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.layers.linear import Int8Weight, quantize_int8
+from jaxllm.layers.linear import Fp8Weight, Int8Weight, quantize_fp8, quantize_int8
 from jaxllm.quantization.config import QuantizationConfig
 
 # The decoder's projections; the embedding and the LM head stay in the compute dtype (as vLLM
 # keeps lm_head unquantized by default).
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# method -> (the stand-in's type, the load-time quantizer of a float kernel)
+QUANTIZERS = {"int8": (Int8Weight, quantize_int8), "fp8": (Fp8Weight, quantize_fp8)}
 
 
 def path_names(path: tuple) -> list:
@@ -31,17 +33,19 @@ def quantize_leaf(path: tuple, leaf: jax.Array, config: QuantizationConfig | Non
     """``leaf`` quantized when ``config`` asks and it is a quantized projection's kernel;
     else ``leaf``. ``donate``: the float leaf is freed once quantized (the loaders: peak
     memory stays at one float leaf)."""
-    if config is None or not is_quantized_linear(path) or isinstance(leaf, Int8Weight):
+    stand_ins = tuple(kind for kind, _ in QUANTIZERS.values())
+    if config is None or not is_quantized_linear(path) or isinstance(leaf, stand_ins):
         return leaf
-    if config.method != "int8":
+    if config.method not in QUANTIZERS:
         raise ValueError(f"{config.describe()}: no load-time quantizer")
+    stand_in, quantize = QUANTIZERS[config.method]
     sharding = getattr(leaf, "sharding", None)
     out = {}
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-        out = {"out_shardings": Int8Weight(
+        out = {"out_shardings": stand_in(
             q=sharding, scale=NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1])))}
-    quantized = jax.jit(quantize_int8, **out)(leaf)
+    quantized = jax.jit(quantize, **out)(leaf)
     if donate:
         leaf.delete()
     return quantized

@@ -1,10 +1,12 @@
 """Which quantization a model runs with: from ``--quantization`` and from the checkpoint's
 ``quantization_config`` (config.json), with vLLM's rules, checked before any weight is read.
 
-Implemented: ``int8`` (weight-only, per output channel, quantized at load time from a float
-checkpoint). Recognised and refused with a message saying so: AWQ, GPTQ and FP8 checkpoints
-and ``--quantization fp8`` (their kernels are not written yet), each also checked for the
-bit widths and group sizes those formats allow, so a malformed config names its problem.
+Implemented, both quantized at load time from a float checkpoint: ``int8`` (weight-only, per
+output channel) and ``fp8`` (W8A8: per-output-channel weight scales, dynamic per-token
+activation scales, as vLLM's ``--quantization fp8``). Recognised and refused with a message
+saying so: AWQ, GPTQ and FP8 checkpoints (their loaders and kernels are not written yet),
+each also checked for the bit widths and group sizes those formats allow, so a malformed
+config names its problem.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "fp8", "awq", "gptq")
-IMPLEMENTED = ("int8",)
+IMPLEMENTED = ("int8", "fp8")  # at load time, from float weights
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)
 GPTQ_BITS = (2, 3, 4, 8)
 
@@ -82,12 +84,12 @@ def resolve_quantization(requested: str | None,
     elif requested in ("awq", "gptq"):
         raise ValueError(f"{flag}: needs a checkpoint quantized with {requested} (its "
                          "quantization_config); a float checkpoint is quantized at load time "
-                         "with int8")
+                         "with int8 or fp8")
     elif requested is None:
         return None
     else:
         config = QuantizationConfig(requested)
-    if config.method not in IMPLEMENTED:
+    if config.method not in IMPLEMENTED or config.from_checkpoint:
         raise ValueError(f"{config.describe()} is recognised but not implemented yet: jaxllm "
                          f"quantizes with {', '.join(IMPLEMENTED)} (at load time)")
     return config

@@ -256,15 +256,17 @@ def test_jaxllm_generate_cli_at_tp3_prints_what_tp1_prints(smollm2):
         in two.stderr and "Traceback" not in two.stderr
 
 
-def test_int8_weights_shard_like_the_float_ones():
-    tiny = tiny_model("llama3_rope_scaling")
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_quantized_weights_shard_like_the_float_ones(method):
     """Quantized pytrees split as the kernels they stand for (the scale as the output axis)
-    and give the tokens of the one-device int8 model."""
+    and give the tokens of the one-device quantized model (FP8's per-token activation scale
+    is taken over the whole row, across the shards)."""
+    tiny = tiny_model("llama3_rope_scaling")
     prompts, max_tokens = workload(6, seed=7)
-    one = tiny.with_quantization("int8")
+    one = tiny.with_quantization(method)
     expected, _ = greedy(one, prompts, max_tokens)
     got, engine = greedy(tiny, prompts, max_tokens, tensor_parallel_size=2,
-                         quantization="int8")
+                         quantization=method)
     assert got == expected
     layers = engine.model.params["layers"]
     qkv, down = layers["attn"]["qkv_proj"]["kernel"], layers["mlp"]["down_proj"]["kernel"]
