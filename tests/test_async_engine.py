@@ -87,46 +87,37 @@ def test_one_wake_up_per_step_delivers_every_output_in_order():
     assert queues["a"].empty() and queues["b"].empty()
 
 
-def test_a_consumer_that_falls_behind_gets_the_newest_output_and_loses_nothing():
-    stand_in = StandInEngine(num_tokens=12)
+def slow_consumer(delta: bool) -> list[CompletionOutput]:
+    """What a client that stalls after its first output receives of a 12-token request (the
+    engine runs to the end meanwhile)."""
+    stand_in = StandInEngine(num_tokens=12, delta=delta)
     engine = AsyncLLMEngine(stand_in)
     engine.start()
+    kind = RequestOutputKind.DELTA if delta else RequestOutputKind.CUMULATIVE
 
     async def scenario():
         seen = []
-        async for out in engine.generate("r", "prompt", None):
-            seen.append(out.outputs[0].token_ids)
-            if len(seen) == 1:  # a slow client: the engine runs to the end meanwhile
-                await wait_until(lambda: not stand_in.requests)
-        return seen
-
-    try:
-        seen = asyncio.run(scenario())
-    finally:
-        engine.shutdown()
-    assert seen[-1] == list(range(1, 13))  # every token, in the last (finished) output
-    assert len(seen) < 12  # the backlog collapsed into fewer, newer outputs
-    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:], strict=False))  # extends
-
-
-def test_a_consumer_that_falls_behind_gets_delta_outputs_merged():
-    stand_in = StandInEngine(num_tokens=12, delta=True)
-    engine = AsyncLLMEngine(stand_in)
-    engine.start()
-
-    async def scenario():
-        seen = []
-        params = SamplingParams(output_kind=RequestOutputKind.DELTA)
-        async for out in engine.generate("r", "prompt", params):
+        async for out in engine.generate("r", "prompt", SamplingParams(output_kind=kind)):
             seen.append(out.outputs[0])
             if len(seen) == 1:
                 await wait_until(lambda: not stand_in.requests)
         return seen
 
     try:
-        seen = asyncio.run(scenario())
+        return asyncio.run(scenario())
     finally:
         engine.shutdown()
+
+
+def test_a_consumer_that_falls_behind_gets_the_newest_output_and_loses_nothing():
+    seen = [out.token_ids for out in slow_consumer(delta=False)]
+    assert seen[-1] == list(range(1, 13))  # every token, in the last (finished) output
+    assert len(seen) < 12  # the backlog collapsed into fewer, newer outputs
+    assert all(a == b[:len(a)] for a, b in zip(seen, seen[1:], strict=False))  # extends
+
+
+def test_a_consumer_that_falls_behind_gets_delta_outputs_merged():
+    seen = slow_consumer(delta=True)
     assert [t for out in seen for t in out.token_ids] == list(range(1, 13))
     assert "".join(out.text for out in seen) == "".join(f"<{t}>" for t in range(1, 13))
     # However the two threads interleave: fewer outputs than steps, the last one finished.

@@ -27,12 +27,8 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
 
-@flax.struct.dataclass
-class Int8Weight:
-    """Stands in for a kernel [.., K, N]."""
-
-    q: jax.Array  # int8 [.., K, N]
-    scale: jax.Array  # float [.., N]: W[k, n] ~= q[k, n] * scale[n]
+class _ColumnScaled:
+    """A kernel [.., K, N] stored as ``q`` [.., K, N] times one ``scale`` per column [.., N]."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -40,6 +36,14 @@ class Int8Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return self.q.astype(dtype) * self.scale[..., None, :].astype(dtype)
+
+
+@flax.struct.dataclass
+class Int8Weight(_ColumnScaled):
+    """Stands in for a kernel [.., K, N]."""
+
+    q: jax.Array  # int8 [.., K, N]
+    scale: jax.Array  # float [.., N]: W[k, n] ~= q[k, n] * scale[n]
 
 
 def quantize_int8(kernel: jax.Array) -> Int8Weight:
@@ -53,18 +57,11 @@ def quantize_int8(kernel: jax.Array) -> Int8Weight:
 
 
 @flax.struct.dataclass
-class Fp8Weight:
+class Fp8Weight(_ColumnScaled):
     """Stands in for a kernel [.., K, N]."""
 
     q: jax.Array  # float8_e4m3fn [.., K, N]
     scale: jax.Array  # float32 [.., N]: W[k, n] ~= q[k, n] * scale[n]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.q.shape
-
-    def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return self.q.astype(dtype) * self.scale[..., None, :].astype(dtype)
 
 
 def _absmax_scale(x: jax.Array, axis: int, limit: float) -> jax.Array:
