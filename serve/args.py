@@ -39,8 +39,11 @@ class ServerConfig:
     max_queue_len: int | None = None  # requests accepted but not yet generating; None = no cap
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
+    request_body_timeout: float = 30.0  # seconds a request's body may take to arrive (408)
     disable_log_stats: bool = False
-    disable_log_requests: bool = False
+    disable_log_requests: bool = False  # no access log line per request
+    enable_log_requests: bool = False  # log each request's prompt and parameters
+    max_log_len: int | None = None  # characters (or token ids) of a prompt logged; None: all
     stats_interval: float = 5.0  # seconds between stats log lines (vLLM: 5)
     memory_monitor: bool = False
     memory_monitor_interval: float = 10.0
@@ -74,7 +77,11 @@ class ServerConfig:
              f"max_request_body_bytes={self.max_request_body_bytes} must be >= 1024")
         need(self.shutdown_timeout >= 0,
              f"shutdown_timeout={self.shutdown_timeout} must be >= 0 seconds")
+        need(self.request_body_timeout > 0,
+             f"--request-body-timeout={self.request_body_timeout} must be > 0 seconds")
         need(self.stats_interval > 0, f"stats_interval={self.stats_interval} must be > 0")
+        need(self.max_log_len is None or self.max_log_len >= 0,
+             f"--max-log-len={self.max_log_len} must be >= 0")
         need(self.memory_monitor_interval > 0,
              f"memory_monitor_interval={self.memory_monitor_interval} must be > 0")
         need(self.api_key is None or len(self.api_key) > 0, "api_key must not be empty")
@@ -108,6 +115,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                             "unbounded, as vLLM)")
     front.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413")
+    front.add_argument("--request-body-timeout", type=float, default=30.0,
+                       help="seconds a request's body may take to arrive before a 408 (a "
+                            "client that sends it slowly holds a connection no longer)")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they "
                             "are aborted")
@@ -127,6 +137,12 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     front.add_argument("--disable-log-stats", action="store_true")
     front.add_argument("--disable-log-requests", action="store_true",
                        help="no access log line per request")
+    front.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request's prompt and sampling parameters (off: no "
+                            "request content is ever logged)")
+    front.add_argument("--max-log-len", type=int, default=None,
+                       help="with --enable-log-requests: log at most this many characters "
+                            "(or token ids) of each prompt")
     engine = p.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
@@ -206,7 +222,9 @@ def configs_from_args(args: argparse.Namespace,
         api_key=args.api_key or environ.get(API_KEY_ENV) or None,
         max_queue_len=args.max_queue_len, max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout, disable_log_stats=args.disable_log_stats,
+        request_body_timeout=args.request_body_timeout,
         disable_log_requests=args.disable_log_requests,
+        enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
         keep_alive_on_engine_death=environ.get(KEEP_ALIVE_ENV, "0") not in ("", "0", "false"),
         memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),

@@ -34,7 +34,12 @@ CLIENT_GONE = 499  # the status the HTTP metrics record when the client disconne
 
 
 async def read_json(request: web.Request) -> object:
-    body = await request.read()  # 413 past client_max_size (--max-request-body-bytes)
+    timeout = request.app[STATE].config.request_body_timeout
+    try:  # 413 past client_max_size (--max-request-body-bytes)
+        body = await asyncio.wait_for(request.read(), timeout)
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {timeout:g} s "
+                       "(--request-body-timeout)", 408, headers={"Connection": "close"}) from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -185,6 +190,11 @@ async def _one(state: ServerState, engine_id: str, prompt: Prompt, req: Generati
     if state.aborting:  # tokenized after the drain deadline: it never reaches the engine
         raise APIError("The server is shutting down.", 503, headers={"Connection": "close"})
     tracker = state.metrics.tracker(arrival, req.params.n)
+    if state.config.enable_log_requests:  # request content is logged only when asked for
+        limit = state.config.max_log_len
+        logger.info("received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+                    engine_id, (prompt.text or "")[:limit], list(prompt.token_ids)[:limit],
+                    req.params)
     state.active.add(engine_id)
     try:
         stream = state.engine.generate(engine_id, prompt.text, req.params,

@@ -317,6 +317,7 @@ ERRORS = {  # status -> (component name, why)
     400: ("BadRequest", "The request is invalid; `param` names the field."),
     401: ("Unauthorized", "Missing or wrong API key."),
     404: ("NotFound", "No such model."),
+    408: ("RequestTimeout", "The body did not arrive within --request-body-timeout."),
     413: ("PayloadTooLarge", "The body is larger than --max-request-body-bytes."),
     429: ("TooManyRequests", "The waiting queue is full (--max-queue-len); retry later."),
     500: ("InternalServerError", "The engine failed while running the request."),
@@ -354,7 +355,7 @@ def generation(summary: str, request_schema: str, response: str, chunk: str) -> 
         "schema": string(SSE_NOTE.format(chunk)),
         "x-event-schema": ref(chunk)}  # OpenAPI 3.1 has no standard way to type SSE events
     return operation(summary, ok, tag="OpenAI", body=ref(request_schema),
-                     errors=(400, 404, 413, 429, 500, 503))
+                     errors=(400, 404, 408, 413, 429, 500, 503))
 
 
 def paths(model_names: Sequence[str]) -> dict:
@@ -370,7 +371,7 @@ def paths(model_names: Sequence[str]) -> dict:
         "/v1/embeddings": {"post": operation(
             "Embeddings of the inputs (pooled as the server's --pooler-config says)",
             json_body(ref("EmbeddingList")), tag="OpenAI", body=ref("EmbeddingRequest"),
-            errors=(400, 404, 413, 429, 500, 503))},
+            errors=(400, 404, 408, 413, 429, 500, 503))},
         "/v1/models": {"get": operation("The served models", json_body(ref("ModelList")),
                                         tag="OpenAI")},
         "/v1/models/{model}": {"get": operation("One served model", json_body(ref("Model")),
@@ -380,10 +381,10 @@ def paths(model_names: Sequence[str]) -> dict:
             "Token ids of a prompt or of rendered chat messages", json_body(obj(
                 {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
                  "tokens": array({"type": "integer"})}, ["count", "max_model_len", "tokens"])),
-            tag="vLLM", body=ref("TokenizeRequest"), errors=(400, 404, 413))},
+            tag="vLLM", body=ref("TokenizeRequest"), errors=(400, 404, 408, 413))},
         "/detokenize": {"post": operation(
             "Text of token ids", json_body(obj({"prompt": string()}, ["prompt"])),
-            tag="vLLM", body=ref("DetokenizeRequest"), errors=(400, 404, 413))},
+            tag="vLLM", body=ref("DetokenizeRequest"), errors=(400, 404, 408, 413))},
         "/health": {"get": operation("Ready to generate", probe, tag="Operations",
                                      errors=(503,))},
         "/live": {"get": operation("Alive (draining included)", probe, tag="Operations",

@@ -1,6 +1,7 @@
 """The security basics of a public endpoint: HTTPS with a self-signed certificate, CORS off
-unless origins are named (preflights, errors and streams), the API key never in the logs, and
-clear errors for TLS/CORS settings that cannot work. A tiny random model over SmolLM2's
+unless origins are named (preflights, errors and streams), the API key never in the logs nor
+request content unless --enable-log-requests, and clear errors for TLS/CORS settings that
+cannot work. A tiny random model over SmolLM2's
 tokenizer behind a live server."""
 
 from __future__ import annotations
@@ -81,8 +82,13 @@ def test_cors_is_off_by_default_and_follows_allowed_origins(tiny_over_smollm2_vo
     caplog.set_level(logging.DEBUG)
     with serve(tiny_over_smollm2_vocab, api_key=KEY_TEXT) as server:
         off = run(calls(server))
-    with serve(tiny_over_smollm2_vocab, api_key=KEY_TEXT, allowed_origins=(ORIGIN,)) as server:
+    assert "POST /v1/completions" in caplog.text  # the access log did run
+    assert BODY["prompt"] not in caplog.text  # no request content without the flag
+    caplog.clear()
+    with serve(tiny_over_smollm2_vocab, api_key=KEY_TEXT, allowed_origins=(ORIGIN,),
+               enable_log_requests=True, max_log_len=3) as server:
         on = run(calls(server))
+    assert "prompt: 'Hel'" in caplog.text  # asked for, and cut to --max-log-len
 
     allow = "Access-Control-Allow-Origin"
     pre, other, wrong_key, stream, text, foreign = off
@@ -100,7 +106,32 @@ def test_cors_is_off_by_default_and_follows_allowed_origins(tiny_over_smollm2_vo
     assert text.endswith("data: [DONE]\n\n")
     assert foreign.status == 200 and allow not in foreign.headers  # the browser refuses it
     assert KEY_TEXT not in caplog.text  # neither the access log nor the start-up line
-    assert "POST /v1/completions" in caplog.text  # the access log did run
+
+
+def test_a_body_sent_too_slowly_gets_408_and_the_connection_closes(
+        tiny_over_smollm2_vocab):  # noqa: F811
+    with serve(tiny_over_smollm2_vocab, request_body_timeout=0.5) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+
+        async def slowloris():
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            await writer.drain()  # ... and the other 90 bytes never come
+            answer = await reader.read()  # until the server closes the connection
+            writer.close()
+            return answer
+
+        started = asyncio.run(asyncio.wait_for(slowloris(), 30))
+        healthy = run(_get(server.url + "/health"))
+    assert started.startswith(b"HTTP/1.1 408")
+    assert b'"type": "RequestTimeoutError"' in started and b"--request-body-timeout" in started
+    assert healthy == 200
+
+
+async def _get(url: str) -> int:
+    async with aiohttp.ClientSession() as session:
+        return (await session.get(url)).status
 
 
 @pytest.mark.parametrize("flags, message", [
