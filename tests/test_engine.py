@@ -197,8 +197,15 @@ def test_abort_and_finish_free_every_block(model):
 
 
 @pytest.mark.parametrize("unroll_layers", [False, True])
-def test_no_recompilation_after_warm_up(model, unroll_layers):
-    engine = make_engine(model, **SMALL_POOL, enforce_eager=False, unroll_layers=unroll_layers)
+def test_no_recompilation_after_warm_up(model, unroll_layers, tmp_path, caplog):
+    # A compilation cache directory that cannot be used (here: a path through a file) is a
+    # warning; the engine compiles without it.
+    (tmp_path / "a-file").write_text("")
+    cache_before = jax.config.jax_compilation_cache_dir
+    engine = make_engine(model, **SMALL_POOL, enforce_eager=False, unroll_layers=unroll_layers,
+                         compilation_cache_dir=str(tmp_path / "a-file" / "cache"))
+    assert "cannot be used" in caplog.text and "without a persistent cache" in caplog.text
+    assert jax.config.jax_compilation_cache_dir == cache_before
     runner = engine.runner
     compiled = runner.num_compilations
     num_row_buckets = len({s.num_seqs for s in runner.buckets.all_shapes()})

@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.compile_cache import use_compilation_cache
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
@@ -67,9 +68,7 @@ class LLMEngine:
             if "xla_gpu_enable_command_buffer" not in flags:
                 os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
         if config.compilation_cache_dir and not config.enforce_eager:
-            os.makedirs(config.compilation_cache_dir, exist_ok=True)
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache_dir)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            use_compilation_cache(config.compilation_cache_dir)
         config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
                                                                     jax.default_backend()))
         if model is None:
