@@ -14,7 +14,7 @@ from aiohttp import web
 from jaxllm.serve import embeddings, generation, routes
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.errors import APIError, error_response
-from jaxllm.serve.generation import CLIENT_GONE, STATE
+from jaxllm.serve.generation import CLIENT_GONE, STATE, STATUS
 from jaxllm.serve.security import CORS
 from jaxllm.serve.state import ServerState
 from jaxllm.serve.stats import StatsLogger
@@ -78,7 +78,7 @@ async def _count_responses(request: web.Request, handler) -> web.StreamResponse:
     status = 500
     try:
         response = await handler(request)
-        status = request.get("status", response.status)
+        status = request.get(STATUS, response.status)
         return response
     except asyncio.CancelledError:
         status = CLIENT_GONE
@@ -101,7 +101,7 @@ async def _error_envelope(request: web.Request, handler) -> web.StreamResponse:
         message = e.text if e.text and not e.text.startswith(str(e.status)) else e.reason
         return error_response(APIError(message, e.status, headers=headers))
     except ConnectionError:
-        request["status"] = CLIENT_GONE
+        request[STATUS] = CLIENT_GONE
         raise
     except Exception:
         logger.exception("unexpected error on %s %s", request.method, request.path)

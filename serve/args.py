@@ -40,6 +40,8 @@ class ServerConfig:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     request_body_timeout: float = 30.0  # seconds a request's body may take to arrive (408)
+    # Seconds a stream's client may read nothing (our buffer full) before it counts as gone.
+    stream_stall_timeout: float = 60.0
     disable_log_stats: bool = False
     disable_log_requests: bool = False  # no access log line per request
     enable_log_requests: bool = False  # log each request's prompt and parameters

@@ -31,6 +31,8 @@ from jaxllm.engine.outputs import RequestOutput
 logger = logging.getLogger("serve")
 STATE = web.AppKey("state", ServerState)
 CLIENT_GONE = 499  # the status the HTTP metrics record when the client disconnected
+# The status a handler records for the HTTP metrics when it differs from the response's.
+STATUS = web.RequestKey("status", int)
 
 
 async def read_json(request: web.Request) -> object:
@@ -120,29 +122,39 @@ async def _stream(request: web.Request, builder: ResponseBuilder,
         raise _engine_failed(e) from None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
+    stall = request.app[STATE].config.stream_stall_timeout
     try:
         await response.prepare(request)
-        for chunk in builder.first_chunks():
-            await response.write(sse(chunk))
+        await _send(response, stall, builder.first_chunks())
         if first is not None:
-            for chunk in builder.deltas(*first):
-                await response.write(sse(chunk))
+            await _send(response, stall, builder.deltas(*first))
             try:
                 async for index, out in outputs:
-                    for chunk in builder.deltas(index, out):
-                        await response.write(sse(chunk))
+                    await _send(response, stall, builder.deltas(index, out))
             except EngineDeadError as e:
                 error = _engine_failed(e)
-                await response.write(sse(error_body(error.message, error.status)))
-                await response.write(DONE)
+                await _send(response, stall, [error_body(error.message, error.status), DONE])
                 return response
-        if builder.req.include_usage:
-            await response.write(sse(builder.usage_chunk()))
-        await response.write(DONE)
+        usage = [builder.usage_chunk()] if builder.req.include_usage else []
+        await _send(response, stall, [*usage, DONE])
         await response.write_eof()
     except ConnectionError:  # the client went away mid-stream; closing `outputs` aborts
-        request["status"] = CLIENT_GONE
+        request[STATUS] = CLIENT_GONE
     return response
+
+
+async def _send(response: web.StreamResponse, stall: float, events: list) -> None:
+    """One write for a step's events (chunk dicts, or ready bytes). A client that has taken
+    nothing for ``stall`` seconds (it stopped reading: its socket and our buffer are full)
+    counts as gone, so its request is aborted and its blocks freed."""
+    if not events:
+        return
+    data = b"".join(e if isinstance(e, bytes) else sse(e) for e in events)
+    try:
+        await asyncio.wait_for(response.write(data), stall)
+    except TimeoutError:
+        raise ConnectionResetError(f"the client read nothing of its stream for {stall:g} s") \
+            from None
 
 
 async def _outputs(state: ServerState, request_id: str, prompts: list[Prompt],

@@ -13,6 +13,7 @@ import ssl
 
 import aiohttp
 import pytest
+from aiohttp import web
 from jaxllm.serve.args import ServerConfig, build_parser, configs_from_args
 from jaxllm.serve.server import BackgroundServer
 from test_engine import make_engine
@@ -168,3 +169,52 @@ def test_a_constraint_past_its_size_limit_is_refused(constraint):
         parse_completion({"prompt": "hi", "structured_outputs": constraint}, vocab_size=100,
                          max_n=4)
     assert refused.value.status == 400 and "limit of 65536" in refused.value.message
+
+
+def test_a_client_that_stops_reading_its_stream_is_dropped_and_its_request_aborted():
+    """A stream whose client takes nothing for the stall timeout counts as gone: the handler
+    returns, and closing its outputs is what aborts the engine request."""
+    import contextlib
+    import types
+    from unittest import mock
+
+    from aiohttp.test_utils import make_mocked_request
+    from jaxllm.serve.generation import STATE, STATUS, _stream
+    from jaxllm.serve.protocol import GenerationRequest
+    from jaxllm.serve.responses import ResponseBuilder
+
+    from jaxllm import SamplingParams
+    from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+
+    writes = []
+
+    async def write(data, *args, **kwargs):
+        if writes:  # the client read the first write, then stopped reading
+            await asyncio.Event().wait()
+        writes.append(data)
+
+    writer = mock.Mock(write=write, write_headers=mock.AsyncMock(),
+                       write_eof=mock.AsyncMock(), drain=mock.AsyncMock())
+    app = web.Application()
+    app[STATE] = types.SimpleNamespace(config=ServerConfig(stream_stall_timeout=0.2))
+    request = make_mocked_request("POST", C, app=app, writer=writer)
+    closed = []
+
+    async def outputs():
+        try:
+            for step in range(10_000):
+                await asyncio.sleep(0)
+                yield 0, RequestOutput("r", "hi", [1], [CompletionOutput(
+                    0, f"t{step}", [step], None, None)], False, metrics=None)
+        finally:
+            closed.append(True)  # the engine request is aborted here
+
+    req = GenerationRequest(chat=False, model=None, params=SamplingParams(), stream=True)
+    builder = ResponseBuilder(req, "id", "m", [1], ["hi"], str)
+
+    async def scenario():
+        async with contextlib.aclosing(outputs()) as stream:
+            return await asyncio.wait_for(_stream(request, builder, stream), 10)
+
+    run(scenario())
+    assert request[STATUS] == 499 and len(writes) == 1 and closed == [True]
