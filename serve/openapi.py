@@ -122,6 +122,7 @@ def common(model_names: Sequence[str]) -> dict:
         "model": {"enum": list(model_names), "description": "A served model name (404 "
                   "otherwise); absent means the first one."},
         "stream": boolean(False),
+        "user": string(description="Accepted and unused, as OpenAI's."),
         "stream_options": obj({"include_usage": nullable(boolean(False)),
                                "continuous_usage_stats": nullable(boolean(False))},
                               description="Only with stream=true."),

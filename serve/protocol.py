@@ -244,6 +244,7 @@ def _flag(options: dict, name: str) -> bool:
 def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,
               logprobs: int | None,
               structured: StructuredOutputsParams | None = None) -> SamplingParams:
+    f.str("user")  # a string, as OpenAI's; accepted and unused
     n = f.int("n", 1)
     if n is not None and n > max_n:
         raise bad_request(f"n={n} exceeds the server's limit of {max_n} (max_num_seqs)", "n")

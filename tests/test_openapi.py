@@ -187,7 +187,7 @@ SAMPLING_SAMPLES = {
     "guided_choice": {"guided_choice": ["a", "b"]}, "guided_grammar": {
         "guided_grammar": 'start: "a"'},
     "guided_decoding_backend": {"guided_decoding_backend": "llguidance"},
-    "max_tokens": {"max_tokens": 3},
+    "max_tokens": {"max_tokens": 3}, "user": {"user": "u"},
 }
 CHAT_SAMPLES = SAMPLING_SAMPLES | {
     "messages": {"messages": [

@@ -225,6 +225,7 @@ BAD_INPUTS = [
     ("prompt of objects", C, {"prompt": [{"a": 1}]}, 400, "BadRequestError"),
     ("prompt mixing strings and token lists", C, {"prompt": ["a", [1, 2]]}, 400,
      "BadRequestError"),
+    ("user that is not a string", C, {"prompt": "hi", "user": 5}, 400, "BadRequestError"),
     ("token id past vocab", C, {"prompt": [999999]}, 400, "BadRequestError"),
     ("negative token id", C, {"prompt": [-1]}, 400, "BadRequestError"),
     ("temperature string", C, {"prompt": "hi", "temperature": "hot"}, 400, "BadRequestError"),
