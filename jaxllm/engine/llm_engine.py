@@ -21,7 +21,6 @@ import numpy as np
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.compile_cache import use_compilation_cache
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.kv_sizing import plan_kv_blocks
@@ -32,6 +31,7 @@ from jaxllm.engine.model_runner import (
     PendingStep,
     StepResult,
 )
+from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
@@ -138,7 +138,8 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
-        self._pending_text: list[tuple[Sequence, SequenceGroup, int, bool]] = []
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                self.scheduler.finish_seq)
         self._inflight: _LaunchedStep | None = None
         self._num_penalty_requests = 0
         # False: step() returns only finished requests (offline use; saves host time).
@@ -197,7 +198,7 @@ class LLMEngine:
         if pooling is not None:
             self.embeddings.add(request_id, seq.seq_id, pooling)
         else:
-            self._attach_detokenizer(seq, params)
+            self.output_processor.attach_detokenizer(seq, params)
         self._groups[request_id] = group
         self._prompts[request_id] = prompt
         if needs_penalties(params):
@@ -214,7 +215,7 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending_text)
+        return (self.scheduler.has_unfinished() or self.output_processor.has_pending
                 or self._inflight is not None)
 
     def get_num_unfinished_requests(self) -> int:
@@ -321,7 +322,8 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
                 num_embedded += 1
             else:
-                self._fill_token(seq, row.group, result, r, positions[r], r in grammar_done)
+                self.output_processor.fill_token(seq, row.group, result, r, positions[r],
+                                                 r in grammar_done)
         self.stats.account(out, num_embedded, self.block_manager, self.scheduler.running)
         stats = self.stats
         stats.num_steps += 1
@@ -365,48 +367,6 @@ class LLMEngine:
                               seq.token_ids[seq.num_prompt_tokens:pos]))
         return {r for r, done in zip(rows, self.structured.accept(items), strict=True) if done}
 
-    def _fill_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
-                    row: int, pos: int, grammar_done: bool = False) -> None:
-        """Puts a sampled token in its placeholder and applies the checks the next schedule
-        depends on (EOS, stop token ids, lengths); text and stop strings wait for
-        ``_emit_outputs``."""
-        seq.pending.pop(pos, None)
-        if seq.status.is_finished:  # stopped (stop string, abort) after this step launched
-            del seq.token_ids[pos:]
-            seq.pending.clear()
-            return
-        token = int(result.sampled[row])
-        params = group.params
-        seq.token_ids[pos] = token
-        logprob = float(result.logprob[row])
-        seq.cumulative_logprob += logprob
-        if params.logprobs is not None:
-            top = {int(t): float(p) for t, p in zip(result.top_ids[row, :params.logprobs],
-                                                    result.top_logprobs[row, :params.logprobs],
-                                                    strict=True)}
-            seq.logprobs.append({token: logprob} | top)
-        if group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.monotonic()
-        num_output = pos + 1 - seq.num_prompt_tokens
-        enough = num_output >= params.min_tokens
-        status, stop_reason = None, None
-        if enough and not params.ignore_eos and token in self.eos_token_ids:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif enough and token in params.stop_token_ids:
-            status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
-        elif num_output >= seq.output_limit:
-            status = SequenceStatus.FINISHED_LENGTH
-        # A stop token's text is not output (unless asked for); a grammar's last token is.
-        stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
-        if grammar_done and status is None:
-            status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
-        if status is not None:
-            del seq.token_ids[pos + 1:]  # a placeholder of the step in flight, if any
-            seq.pending.clear()
-            seq.stop_reason = stop_reason
-            self.scheduler.finish_seq(seq, status)
-        self._pending_text.append((seq, group, token, stopped_by_token))
-
     def _emit_outputs(self) -> list[RequestOutput]:
         """Detokenizes the recorded tokens, applies stop strings, builds outputs."""
         start = time.perf_counter()
@@ -415,31 +375,12 @@ class LLMEngine:
         return outputs
 
     def _build_outputs(self) -> list[RequestOutput]:
-        pending, self._pending_text = self._pending_text, []
-        touched: dict[str, SequenceGroup] = {}
-        for seq, group, token, stopped_by_token in pending:
-            touched[group.request_id] = group
-            if seq.detokenizer is None:
-                if self.tokenizer is None:
-                    continue
-                self._attach_detokenizer(seq, group.params)  # a child forked this step
-            detok = seq.detokenizer
-            _, stop_str = detok.update([token], stop_terminated=stopped_by_token)
-            if stop_str is not None and not seq.status.is_finished:
-                seq.stop_reason = stop_str
-                self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            if seq.status.is_finished and detok.stop_str is None:
-                detok.flush()  # release text held back for a possible stop string
+        touched = self.output_processor.detokenize()
         outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
-                   for g in touched.values() if self.stream_outputs and not g.is_finished
+                   for g in touched if self.stream_outputs and not g.is_finished
                    and g.params.output_kind is not RequestOutputKind.FINAL_ONLY]
         outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
         return outputs
-
-    def _attach_detokenizer(self, seq: Sequence, params: SamplingParams) -> None:
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                     params)
 
     def _finish_group(self, group: SequenceGroup) -> RequestOutput | EmbeddingRequestOutput:
         group.metrics.finished_time = time.monotonic()

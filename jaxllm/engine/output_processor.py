@@ -1,0 +1,101 @@
+"""Sampled tokens into sequences, then into text (plain Python, no jax).
+
+``fill_token`` puts each recorded token in its placeholder and applies what the next schedule
+depends on (EOS, stop token ids, lengths, a complete grammar); ``detokenize`` later turns the
+filled tokens into text and applies stop strings, off the path between a step and the next
+launch (:meth:`jaxllm.engine.llm_engine.LLMEngine.step`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # host arrays only: this module never imports jax
+    from jaxllm.engine.model_runner import StepResult
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...],
+                 finish_seq: Callable[[Sequence, SequenceStatus], None]):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._finish_seq = finish_seq  # the scheduler's: frees the sequence's blocks
+        # Filled tokens waiting for their text: (seq, group, token, stopped by that token).
+        self._pending: list[tuple[Sequence, SequenceGroup, int, bool]] = []
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def attach_detokenizer(self, seq: Sequence, params: SamplingParams) -> None:
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     params)
+
+    def fill_token(self, seq: Sequence, group: SequenceGroup, result: StepResult,
+                   row: int, pos: int, grammar_done: bool = False) -> None:
+        """Puts a sampled token in its placeholder and applies the checks the next schedule
+        depends on (EOS, stop token ids, lengths); text and stop strings wait for
+        ``detokenize``."""
+        seq.pending.pop(pos, None)
+        if seq.status.is_finished:  # stopped (stop string, abort) after this step launched
+            del seq.token_ids[pos:]
+            seq.pending.clear()
+            return
+        token = int(result.sampled[row])
+        params = group.params
+        seq.token_ids[pos] = token
+        logprob = float(result.logprob[row])
+        seq.cumulative_logprob += logprob
+        if params.logprobs is not None:
+            top = {int(t): float(p) for t, p in zip(result.top_ids[row, :params.logprobs],
+                                                    result.top_logprobs[row, :params.logprobs],
+                                                    strict=True)}
+            seq.logprobs.append({token: logprob} | top)
+        if group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
+        num_output = pos + 1 - seq.num_prompt_tokens
+        enough = num_output >= params.min_tokens
+        status, stop_reason = None, None
+        if enough and not params.ignore_eos and token in self.eos_token_ids:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif enough and token in params.stop_token_ids:
+            status, stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif num_output >= seq.output_limit:
+            status = SequenceStatus.FINISHED_LENGTH
+        # A stop token's text is not output (unless asked for); a grammar's last token is.
+        stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
+        if grammar_done and status is None:
+            status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
+        if status is not None:
+            del seq.token_ids[pos + 1:]  # a placeholder of the step in flight, if any
+            seq.pending.clear()
+            seq.stop_reason = stop_reason
+            self._finish_seq(seq, status)
+        self._pending.append((seq, group, token, stopped_by_token))
+
+    def detokenize(self) -> list[SequenceGroup]:
+        """Text for the filled tokens, stop strings applied (a match finishes its sequence);
+        returns the groups that progressed, in order."""
+        pending, self._pending = self._pending, []
+        touched: dict[str, SequenceGroup] = {}
+        for seq, group, token, stopped_by_token in pending:
+            touched[group.request_id] = group
+            if seq.detokenizer is None:
+                if self.tokenizer is None:
+                    continue
+                self.attach_detokenizer(seq, group.params)  # a child forked this step
+            detok = seq.detokenizer
+            _, stop_str = detok.update([token], stop_terminated=stopped_by_token)
+            if stop_str is not None and not seq.status.is_finished:
+                seq.stop_reason = stop_str
+                self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            if seq.status.is_finished and detok.stop_str is None:
+                detok.flush()  # release text held back for a possible stop string
+        return list(touched.values())
