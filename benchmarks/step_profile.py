@@ -2,13 +2,12 @@
 
 Runs ``bench throughput``'s jaxllm workload twice on one engine. The first pass is timed as
 ``bench throughput`` times it; the second traces a window of steps with ``jax.profiler``
-(device kernels and executables, no Python tracer) and profiles another window's host
-Python with cProfile. Prints, for the traced window:
+(device kernels and copies, no Python tracer) and profiles another window's host Python with
+cProfile. Prints, for the traced window:
 
-- device busy time (the union of kernel intervals on every stream) against the window's
-  wall span, so idle device time shows as the gap between them;
-- each executable's device time (forward, sampler, ...), and a least-squares fit of the
-  forward's device time against the step's padded token count (fixed + per-token cost);
+- device busy time (the union of kernel and copy intervals on every stream) against the
+  window's wall span, and the idle gaps between them;
+- the steps' mean shapes (real and padded tokens, rows, share of decode-only steps);
 - the kernels with the most device time, grouped by kernel name;
 - the host functions with the most time (cProfile: relative, its overhead inflates Python).
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import dataclasses
 import glob
 import io
 import json
@@ -75,19 +73,18 @@ def _kernel_group(name: str) -> str:
 
 
 def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
-    """Device-side figures of one ``xplane.pb`` (see the module docstring)."""
+    """Device-side figures of one ``xplane.pb`` (see the module docstring); ``steps`` are the
+    traced steps' shapes (``_step_info``)."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(path)
-    kernels, modules, lines = [], [], collections.Counter()
+    kernels, lines = [], collections.Counter()
     for plane in data.planes:
         if not plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
             lines[line.name] += 1
-            if line.name == "XLA Modules":
-                modules += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
-            elif line.name.startswith("Stream"):
+            if line.name.startswith("Stream"):  # kernels and copies, one line per stream
                 kernels += [(e.name, e.start_ns, e.duration_ns) for e in line.events]
     if not kernels:
         return {"error": f"no device kernels in {path}"}
@@ -100,26 +97,6 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
         group = by_kernel[_kernel_group(name)]
         group[0] += 1
         group[1] += d
-    by_module = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, d in modules:
-        group = by_module[re.sub(r"\(\d+\)$", "", name)]
-        group[0] += 1
-        group[1] += d
-    forward = sorted((m for m in modules if "forward" in m[0]), key=lambda m: m[1])
-    fit = None
-    if forward and len(forward) == len(steps):
-        tokens = np.array([s["bucket_tokens"] for s in steps], float)
-        times = np.array([d for _, _, d in forward], float) / 1e6
-        a = np.vstack([np.ones_like(tokens), tokens]).T
-        (fixed, per_token), *_ = np.linalg.lstsq(a, times, rcond=None)
-        fit = {"fixed_ms": fixed, "per_token_us": 1e3 * per_token,
-               "mean_forward_ms": float(times.mean()),
-               "mean_bucket_tokens": float(tokens.mean()),
-               "mean_real_tokens": float(np.mean([s["real_tokens"] for s in steps]))}
-    gaps = []
-    ordered = sorted(modules, key=lambda m: m[1])
-    for (_, s0, d0), (_, s1, _) in zip(ordered, ordered[1:], strict=False):
-        gaps.append(max(0.0, s1 - (s0 + d0)) / 1e6)
     return {
         "trace": path, "steps": len(steps), "span_ms": span_ns / 1e6, "busy_ms": busy_ns / 1e6,
         "busy_fraction": busy_ns / span_ns, "device_lines": dict(lines),
@@ -129,41 +106,29 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
                          "max": float(idle_ms.max()) if idle_ms.size else 0.0,
                          "total": float(idle_ms.sum())},
         "step_shapes": steps,
-        "gap_between_executables_ms": {"total": float(np.sum(gaps)) if gaps else 0.0,
-                                       "p50": float(np.median(gaps)) if gaps else 0.0,
-                                       "max": float(np.max(gaps)) if gaps else 0.0},
-        "modules": {k: {"count": c, "total_ms": t / 1e6} for k, (c, t) in
-                    sorted(by_module.items(), key=lambda kv: -kv[1][1])},
-        "forward_fit": fit,
         "kernels": [{"kernel": k, "count": c, "total_ms": t / 1e6, "share": t / busy_ns}
                     for k, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
     }
 
 
 def _step_info(engine) -> dict | None:
-    inflight = engine._inflight
-    if inflight is None:
+    """The shape of the step the engine just launched (None if it launched none)."""
+    launched = engine._inflight
+    if launched is None:
         return None
-    out, pending, _ = inflight
-    return {"real_tokens": out.num_batched_tokens, "bucket_tokens": pending.shape.num_tokens,
-            "rows": pending.shape.num_seqs, "decode": pending.shape.is_decode}
+    # A constrained step's sampler may still wait for its bitmask: its forward has the shape.
+    shape = (launched.pending or launched.forward).shape
+    return {"real_tokens": launched.out.num_batched_tokens, "bucket_tokens": shape.num_tokens,
+            "rows": shape.num_seqs, "decode": shape.is_decode}
 
 
 def run(args) -> None:
     import jax
     from jaxllm.benchmarks.jax_backends import add_workload, make_engine
-    from jaxllm.benchmarks.throughput import _requests, load_tokenizer_file
-
-    import jaxllm
-    from jaxllm.engine.engine_config import resolve_unroll_layers
+    from jaxllm.benchmarks.throughput import _requests, load_jax_model
 
     os.makedirs(args.out_dir, exist_ok=True)
-    model = jaxllm.load_model(
-        args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
-    if args.tokenizer:
-        model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
-            args.tokenizer, model.config.eos_token_ids))
+    model = load_jax_model(args)
     requests = _requests(args, model.config)
     engine = make_engine(model, args)
     result: dict = {"args": {k: v for k, v in vars(args).items()
@@ -253,10 +218,6 @@ def _print(result: dict, host: str) -> None:
                   f"{np.mean([s['bucket_tokens'] for s in shapes]):.0f} bucket tokens, "
                   f"{np.mean([s['rows'] for s in shapes]):.0f} rows, "
                   f"{np.mean([s['decode'] for s in shapes]):.0%} decode-only")
-        for name, m in dev["modules"].items():
-            print(f"  {name[:60]:60s} x{m['count']:5d} {m['total_ms']:9.1f} ms")
-        if dev["forward_fit"]:
-            print("  forward fit:", {k: round(v, 3) for k, v in dev["forward_fit"].items()})
         print(f"  {'kernel':90s} {'count':>6s} {'ms':>8s} share")
         for k in dev["kernels"]:
             print(f"  {k['kernel']:90s} {k['count']:6d} {k['total_ms']:8.1f} "

@@ -195,18 +195,7 @@ def run_one(backend: str, args) -> dict:
     else:
         import jax
 
-        import jaxllm
-        from jaxllm.engine.engine_config import resolve_unroll_layers
-
-        # jaxllm's engine and jax-static's generate() both run the layer layout loaded here
-        # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
-        model = jaxllm.load_model(
-            args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-            unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
-            tensor_parallel_size=args.tensor_parallel_size)
-        if args.tokenizer:
-            model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
-                args.tokenizer, model.config.eos_token_ids))
+        model = load_jax_model(args)
         requests = _requests(args, model.config)
         from jaxllm.benchmarks.jax_backends import run_jax_static, run_jaxllm
 
@@ -234,6 +223,25 @@ def run_one(backend: str, args) -> dict:
             "requests_per_second": len(requests) / elapsed,
             "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
             "output_tokens_per_second": output_tokens / elapsed, **error, **extra}
+
+
+def load_jax_model(args):
+    """The model the JAX backends run, as the flags describe it (with ``--tokenizer``'s)."""
+    import jax
+
+    import jaxllm
+    from jaxllm.engine.engine_config import resolve_unroll_layers
+
+    # jaxllm's engine and jax-static's generate() both run the layer layout loaded here
+    # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
+    model = jaxllm.load_model(
+        args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
+        tensor_parallel_size=args.tensor_parallel_size)
+    if args.tokenizer:
+        model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
+            args.tokenizer, model.config.eos_token_ids))
+    return model
 
 
 def load_tokenizer_file(path: str, eos_token_ids) -> object:

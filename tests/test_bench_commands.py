@@ -474,3 +474,24 @@ def test_throughput_refuses_a_static_batch_below_one(tiny_config, flag, value, c
         bench_main(["throughput", *_tiny_args(tiny_config), "--backend", "jax-static",
                     "--num-prompts", "4", flag, value])
     assert f"argument {flag}: {value} must be >= 1" in capsys.readouterr().err
+
+
+def test_step_profile_reads_the_shape_of_the_launched_step():
+    """``bench step_profile`` records each traced step's shape from the engine's launched
+    step, whether its sampler is launched or (constrained rows) still waits for a bitmask."""
+    import types
+
+    from jaxllm.benchmarks.step_profile import _step_info
+
+    from jaxllm.engine.buckets import StepShape
+    from jaxllm.engine.llm_engine import _LaunchedStep
+    from jaxllm.engine.model_runner import LaunchedForward, PendingStep
+
+    out = types.SimpleNamespace(num_batched_tokens=37)
+    shape = StepShape(num_tokens=64, num_seqs=8, table_width=4, is_decode=False)
+    full = _LaunchedStep(out, [], [], pending=PendingStep(None, None, shape))
+    waiting = _LaunchedStep(out, [], [0], forward=LaunchedForward(None, shape))
+    expected = {"real_tokens": 37, "bucket_tokens": 64, "rows": 8, "decode": False}
+    for step in (full, waiting):
+        assert _step_info(types.SimpleNamespace(_inflight=step)) == expected
+    assert _step_info(types.SimpleNamespace(_inflight=None)) is None
