@@ -80,7 +80,7 @@ class Sequence:
     def take_new_output_token_ids(self) -> list[int]:
         """Known output tokens not yet in a delta output (and marks them sent)."""
         start = len(self.prompt_token_ids) + self.num_sent_tokens
-        new = self.token_ids[start:len(self.token_ids) - len(self.pending)]
+        new = self.token_ids[start:self.num_known_tokens]
         self.num_sent_tokens += len(new)
         return new
 

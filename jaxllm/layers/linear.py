@@ -46,11 +46,16 @@ class Int8Weight(_ColumnScaled):
     scale: jax.Array  # float [.., N]: W[k, n] ~= q[k, n] * scale[n]
 
 
+def _absmax_scale(x: jax.Array, axis: int, limit: float) -> jax.Array:
+    """absmax / limit along ``axis`` (float32; 1 where everything is zero)."""
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
+    return jnp.where(absmax > 0, absmax / limit, 1.0)
+
+
 def quantize_int8(kernel: jax.Array) -> Int8Weight:
     """Symmetric per-output-channel int8 of a kernel [.., K, N] (absmax / 127 per column;
     an all-zero column gets scale 1)."""
-    absmax = jnp.max(jnp.abs(kernel.astype(jnp.float32)), axis=-2)  # [.., N]
-    scale = jnp.where(absmax > 0, absmax / INT8_MAX, 1.0)
+    scale = _absmax_scale(kernel, -2, INT8_MAX)  # [.., N]
     q = jnp.clip(jnp.round(kernel.astype(jnp.float32) / scale[..., None, :]), -INT8_MAX,
                  INT8_MAX).astype(jnp.int8)
     return Int8Weight(q=q, scale=scale.astype(kernel.dtype))
@@ -62,12 +67,6 @@ class Fp8Weight(_ColumnScaled):
 
     q: jax.Array  # float8_e4m3fn [.., K, N]
     scale: jax.Array  # float32 [.., N]: W[k, n] ~= q[k, n] * scale[n]
-
-
-def _absmax_scale(x: jax.Array, axis: int, limit: float) -> jax.Array:
-    """absmax / limit along ``axis`` (float32; 1 where everything is zero)."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis)
-    return jnp.where(absmax > 0, absmax / limit, 1.0)
 
 
 def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
