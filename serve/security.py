@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import ssl
@@ -24,13 +25,16 @@ PREFLIGHT_MAX_AGE = 600  # seconds a browser may cache a preflight answer
 
 
 def json_list(text: str) -> tuple[str, ...]:
-    """A flag given as a JSON list of strings (vLLM's ``--allowed-origins '["..."]'``)."""
+    """A flag given as a JSON list of strings (vLLM's ``--allowed-origins '["..."]'``); an
+    argparse type, so its errors are argparse's (the message is kept)."""
     try:
         value = json.loads(text)
     except ValueError:
-        raise ValueError(f"expected a JSON list of strings, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}") \
+            from None
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"expected a JSON list of non-empty strings, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON list of non-empty strings, got "
+                                         f"{text!r}")
     return tuple(value)
 
 
@@ -42,32 +46,21 @@ def add_args(group) -> None:
     group.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                        choices=[int(m) for m in ssl.VerifyMode],
                        help="client certificates: 0 not asked, 1 optional, 2 required")
-    group.add_argument("--allowed-origins", type=_flag(json_list), default=(),
+    group.add_argument("--allowed-origins", type=json_list, default=(),
                        metavar="JSON", help='CORS: origins browsers may call from, e.g. '
                        '\'["https://app.example.com"]\' or \'["*"]\' (default: none, CORS off)')
-    group.add_argument("--allowed-methods", type=_flag(json_list), default=("*",),
+    group.add_argument("--allowed-methods", type=json_list, default=("*",),
                        metavar="JSON", help='CORS: allowed methods (default: ["*"])')
-    group.add_argument("--allowed-headers", type=_flag(json_list), default=("*",),
+    group.add_argument("--allowed-headers", type=json_list, default=("*",),
                        metavar="JSON", help='CORS: allowed request headers (default: ["*"])')
     group.add_argument("--allow-credentials", action="store_true",
                        help="CORS: let browsers send cookies and HTTP authentication")
 
 
-def _flag(parse):
-    import argparse
-
-    def convert(text: str):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return convert
-
-
 def check_tls_files(keyfile: str | None, certfile: str | None, ca_certs: str | None,
                     cert_reqs: int) -> None:
-    """ValueError naming the flag when the TLS settings cannot work."""
+    """ValueError naming the flag when the TLS settings cannot work (the files are loaded
+    once here, before any weight is)."""
     if (keyfile is None) != (certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both or neither")
     for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile),
@@ -80,6 +73,7 @@ def check_tls_files(keyfile: str | None, certfile: str | None, ca_certs: str | N
     if cert_reqs != ssl.CERT_NONE and ca_certs is None:
         raise ValueError("--ssl-cert-reqs asks for client certificates: give --ssl-ca-certs "
                          "to check them against")
+    ssl_context(keyfile, certfile, ca_certs, cert_reqs)  # the files really load
 
 
 def ssl_context(keyfile: str | None, certfile: str | None, ca_certs: str | None,

@@ -141,6 +141,8 @@ async def _get(url: str) -> int:
     (["--ssl-cert-reqs", "2"], "need --ssl-keyfile"),
     (["--ssl-keyfile", KEY, "--ssl-certfile", CERT, "--ssl-cert-reqs", "2"],
      "give --ssl-ca-certs"),
+    (["--ssl-keyfile", KEY, "--ssl-certfile", os.path.join(TLS, "make_cert.sh")],
+     "cannot load"),
 ])
 def test_tls_settings_that_cannot_work_are_refused_before_loading(flags, message):
     args = build_parser().parse_args(flags)
