@@ -38,12 +38,12 @@ async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio
     """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring).
     Returns the exit status: 0, or 1 when it stopped because the engine died."""
     app = build_app(engine, config)
-    watcher = None if config.keep_alive_on_engine_death else asyncio.create_task(
-        _stop_when_dead(engine, stop))
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
                            access_log=None if config.disable_log_requests else
                            logging.getLogger("aiohttp.access"))
     await runner.setup()
+    watcher = None if config.keep_alive_on_engine_death else asyncio.create_task(
+        _stop_when_dead(engine, stop))
     try:
         tls = ssl_context(config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs,
                           config.ssl_cert_reqs)
