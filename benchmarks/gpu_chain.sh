@@ -73,7 +73,7 @@ case $CMD in
     t0=$SECONDS
     until [ -f "$DIR/done" ] || (( SECONDS - t0 > LIMIT )); do sleep 10; done
     mkdir -p "$OUT"; status | tee "$OUT/${NAME}_status.txt"
-    tar -C "$DIR" -czf "$OUT/${NAME}_results.tgz" --exclude=out --exclude='*.pid' --exclude='trace_*' . 2>/dev/null
+    tar -C "$DIR" -czf "$OUT/${NAME}_results.tgz" --exclude=out --exclude='*.pid' --exclude='trace_*' --exclude=hlo . 2>/dev/null
     if [ -f "$DIR/done" ]; then exit "$(cat "$DIR/done")"; fi; echo "chain still running" ;;
   stop)  # the chain, then every step it was running (each its own process group)
     kill -- -"$(cat "$DIR/chain.pid")"
