@@ -50,8 +50,12 @@ class TimedExecutable:
 def time_launches(runner, totals: dict) -> None:
     """Wraps every executable the runner hands out (already compiled ones included)."""
     forward, sampler = runner._forward_executable, runner._sampler_executable
-    runner._forward_executable = lambda *a, **k: TimedExecutable(forward(*a, **k), "forward",
-                                                                 totals)
+
+    def timed_forward(*args, **kwargs):
+        exe, shardings = forward(*args, **kwargs)
+        return TimedExecutable(exe, "forward", totals), shardings
+
+    runner._forward_executable = timed_forward
     runner._sampler_executable = lambda *a, **k: TimedExecutable(sampler(*a, **k), "sampler",
                                                                  totals)
 

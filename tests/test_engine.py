@@ -101,8 +101,8 @@ def test_continuous_batching_equals_one_at_a_time(model, async_scheduling, monke
     prompts, max_tokens = workload()
     engine = make_engine(model, async_scheduling=async_scheduling)
     events = []  # launches, waits for the device, output building; in order
-    dispatch, emit, wait = engine.runner.dispatch, engine._emit_outputs, PendingStep.wait
-    engine.runner.dispatch = lambda *a, **k: (events.append("launch"), dispatch(*a, **k))[1]
+    prepare, emit, wait = engine.runner.prepare_forward, engine._emit_outputs, PendingStep.wait
+    engine.runner.prepare_forward = lambda *a: (events.append("launch"), prepare(*a))[1]
     engine._emit_outputs = lambda: (events.append("emit"), emit())[1]
     monkeypatch.setattr(PendingStep, "wait", lambda self: (events.append("wait"), wait(self))[1])
     outputs = run_all(engine, prompts, max_tokens)
@@ -117,8 +117,8 @@ def test_continuous_batching_equals_one_at_a_time(model, async_scheduling, monke
     assert len(waits) == engine.stats.num_steps
     after_wait = {events[i + 1] for i in waits if "launch" in events[i + 1:]}
     if async_scheduling:
-        # Between waiting for step k and launching step k+2 the host only records k's
-        # tokens and schedules k+2: outputs are built after the launch.
+        # Between waiting for step k and packing and launching step k+2 the host only
+        # records k's tokens and schedules k+2: outputs are built after the launch.
         assert after_wait == {"launch"}
     else:
         assert after_wait == {"emit"}

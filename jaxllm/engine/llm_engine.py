@@ -29,6 +29,7 @@ from jaxllm.engine.model_runner import (
     LaunchedForward,
     ModelRunner,
     PendingStep,
+    PreparedForward,
     StepResult,
 )
 from jaxllm.engine.output_processor import OutputProcessor
@@ -238,8 +239,8 @@ class LLMEngine:
         A step with constrained rows (structured outputs) launches its forward at once; its
         sampler needs the grammar bitmask of the tokens before it, which is filled on the
         bitmask thread from when step k's tokens are recorded until after the next call has
-        scheduled step k+2 (the fill and the scheduler's Python overlap); that call then
-        launches the sampler, and step k+2 behind it.
+        scheduled and packed step k+2 (the fill overlaps that Python, and k+2's inputs are on
+        the device already); that call then launches the sampler, and step k+2 behind it.
         """
         stats = self.stats
         outputs: list[RequestOutput] = []
@@ -252,10 +253,12 @@ class LLMEngine:
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         t1 = time.perf_counter()
+        prepared = self.runner.prepare_forward(out, self.embeddings.in_step(out)) \
+            if out.scheduled else None
         if launched is not None:
             self._finish_launch(launched)
-        step = self._launch(out, launched.pending if launched else None) if out.scheduled \
-            else None
+        step = self._launch(out, prepared, launched.pending if launched else None) \
+            if prepared is not None else None
         stats.schedule_seconds += t1 - t0
         stats.prepare_seconds += time.perf_counter() - t1
         outputs += self._emit_outputs()  # the tokens recorded by the previous call
@@ -272,18 +275,17 @@ class LLMEngine:
         self._inflight = step
         return outputs
 
-    def _launch(self, out: SchedulerOutput, prev: PendingStep | None) -> _LaunchedStep:
+    def _launch(self, out: SchedulerOutput, prepared: PreparedForward,
+                prev: PendingStep | None) -> _LaunchedStep:
         """Launches a scheduled step: all of it, or only its forward when a row is
         constrained (the sampler waits for the bitmask)."""
         rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
         constrained = [r for r, row in enumerate(out.sample_rows)
                        if row.group.params.structured_outputs is not None]
-        pooling = self.embeddings.in_step(out)
-        step = _LaunchedStep(out, rows, constrained)
-        if constrained:
-            step.forward = self.runner.launch_forward(out, prev, pooling)
-        else:
-            step.pending = self.runner.dispatch(out, rows, prev, pooling)
+        step = _LaunchedStep(out, rows, constrained,
+                             forward=self.runner.launch_forward(prepared, prev))
+        if not constrained:
+            step.pending, step.forward = self.runner.launch_sampler(step.forward, rows), None
         for r, row in enumerate(out.sample_rows):  # their ids are known after the step
             step.positions.append(len(row.seq.token_ids))
             row.seq.pending[step.positions[-1]] = r

@@ -2,8 +2,8 @@
 
 It owns the params, the KV pool (donated to every jitted step) and the host swap pool. Each
 step it applies the scheduler's block moves, packs the scheduled tokens into one padded
-:class:`BatchMetadata` (numpy, then one transfer), and runs ``forward + sample`` jitted per
-shape bucket. Sampling results come back as numpy.
+:class:`BatchMetadata` (numpy, then one transfer), and launches ``forward`` and ``sample``
+(compiled per shape bucket and per row bucket). Sampling results come back as numpy.
 """
 
 from __future__ import annotations
@@ -82,6 +82,17 @@ class PendingStep:
 
 
 @dataclasses.dataclass(frozen=True)
+class PreparedForward:
+    """A step's forward with its inputs on the device, ready to launch."""
+
+    executable: object  # the step shape's compiled forward
+    batch: BatchMetadata  # on the device
+    prev_rows: jax.Array  # i32[T]: each token's row in the previous step's samples, or -1
+    has_placeholders: bool  # some rows of prev_rows are not -1
+    shape: StepShape
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchedForward:
     """A launched forward whose sampler is not launched yet."""
 
@@ -125,7 +136,7 @@ class ModelRunner:
         self._programs = step_programs(ProgramKey(cfg, model.dtype, attention_backend, mesh,
                                                   self.max_rows))
         self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
-        self._forward_exe: dict[tuple[StepShape, bool], object] = {}
+        self._forward_exe: dict[tuple[StepShape, bool], tuple] = {}  # -> (exe, shardings)
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
         # Largest temporary device memory of any compiled forward or sampler (XLA's plan): the
@@ -172,17 +183,20 @@ class ModelRunner:
             self.max_step_temp_bytes = max(self.max_step_temp_bytes, temp)
 
     def _forward_executable(self, shape: StepShape, pooling: bool = False):
-        exe = self._forward_exe.get((shape, pooling))
-        if exe is None:
+        """The compiled forward of a step shape, and where its batch and placeholder-row
+        inputs live (the shardings ``prepare_forward`` transfers them with)."""
+        entry = self._forward_exe.get((shape, pooling))
+        if entry is None:
             batch = self._empty_batch(shape)
             exe = self._programs.forward.lower(self.model.params, self._pool_spec, batch,
                                       self._no_prev_tokens, batch.input_ids,
                                       pooling=pooling).compile()
-            self._forward_exe[shape, pooling] = exe
+            args = exe.input_shardings[0]  # (params, pool, batch, prev_tokens, prev_rows)
+            entry = self._forward_exe[shape, pooling] = (exe, (args[2], args[4]))
             self._count_compilation(exe)
             if pooling and self.num_steps:
                 logger.info("compiled the pooling forward for %s", shape)
-        return exe
+        return entry
 
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
         exe = self._sample_exe.get(key)
@@ -208,29 +222,33 @@ class ModelRunner:
                           num_logits=shape.num_seqs, decode_only=shape.is_decode)
 
     # --------------------------------------------------------------------- step
-    def dispatch(self, out: SchedulerOutput, rows: Sequence[SamplerInput],
-                 prev: PendingStep | None = None, pooling: bool = False) -> PendingStep:
-        """Packs and launches one step without waiting for the device (JAX dispatch is
-        asynchronous); ``rows`` are ``out.sample_rows`` as sampler rows. Placeholder tokens
-        (``Sequence.pending``) are taken from ``prev``'s samples on the device. ``pooling``:
-        the step also returns pooled hidden states (``StepResult.pooled_*``)."""
-        return self.launch_sampler(self.launch_forward(out, prev, pooling), rows)
-
-    def launch_forward(self, out: SchedulerOutput, prev: PendingStep | None = None,
-                       pooling: bool = False) -> LaunchedForward:
-        """The first half of ``dispatch``: block moves, packing, the forward. The sampler is
-        launched apart when its inputs need the host to see ``prev``'s tokens first (the
-        grammar bitmask of constrained rows)."""
+    def prepare_forward(self, out: SchedulerOutput, pooling: bool = False) -> PreparedForward:
+        """Everything of a step's forward before its launch: block moves, packing, and the
+        inputs' transfer to the device (JAX dispatch is asynchronous: nothing here waits for
+        the device). Apart from the launch so that it can run while the previous step's
+        sampler still waits for its grammar bitmask. ``pooling``: the step also returns
+        pooled hidden states (``StepResult.pooled_*``)."""
         self._apply_block_moves(out)
         batch, shape, prev_rows = self.pack(out)
-        if prev_rows is not None and prev is None:
-            raise ValueError("placeholder tokens need the step that samples them")
-        prev_tokens = prev.tokens if prev_rows is not None else self._no_prev_tokens
+        has_placeholders = prev_rows is not None
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
-        logits, self.kv_pool, pooled = self._forward_executable(shape, pooling)(
-            self.model.params, self.kv_pool, batch, prev_tokens, prev_rows)
-        return LaunchedForward(logits, shape, pooled)
+        exe, shardings = self._forward_executable(shape, pooling)
+        batch, prev_rows = jax.device_put((batch, prev_rows), shardings)
+        return PreparedForward(exe, batch, prev_rows, has_placeholders, shape)
+
+    def launch_forward(self, prepared: PreparedForward,
+                       prev: PendingStep | None = None) -> LaunchedForward:
+        """Launches a prepared forward; its placeholder tokens (``Sequence.pending``) come from
+        ``prev``'s samples on the device.
+        The sampler is launched apart (``launch_sampler``) when its inputs need the host to
+        see ``prev``'s tokens first (the grammar bitmask of constrained rows)."""
+        if prepared.has_placeholders and prev is None:
+            raise ValueError("placeholder tokens need the step that samples them")
+        prev_tokens = prev.tokens if prepared.has_placeholders else self._no_prev_tokens
+        logits, self.kv_pool, pooled = prepared.executable(
+            self.model.params, self.kv_pool, prepared.batch, prev_tokens, prepared.prev_rows)
+        return LaunchedForward(logits, prepared.shape, pooled)
 
     def launch_sampler(self, launched: LaunchedForward, rows: Sequence[SamplerInput],
                        token_bitmask: np.ndarray | None = None) -> PendingStep:
