@@ -13,6 +13,11 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   activations are quantized to ``float8_e4m3fn`` with their own scale as the layer runs, and
   the product of the two FP8 operands accumulates in float32 (on Hopper, XLA's FP8 GEMM); both
   scales multiply the [.., N] output.
+- :class:`Int4Weight`: 4-bit weight-only with a scale and a zero point per group of input rows
+  and output column, read from AWQ and GPTQ checkpoints
+  (:mod:`jaxllm.quantization.int4_checkpoint` repacks both into this one layout). It stays
+  packed on the device; each matmul unpacks and dequantizes it inside the jitted program,
+  where XLA fuses the unpacking into the matmul's operand (no GPU kernel yet).
 """
 
 from __future__ import annotations
@@ -77,6 +82,43 @@ def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
     return Fp8Weight(q=q.astype(FP8_DTYPE), scale=scale)
 
 
+PER_WORD = 8  # 4-bit values per int32 word
+
+
+@flax.struct.dataclass
+class Int4Weight:
+    """Stands in for a kernel [.., K, N] whose K input rows form G = K / g groups of g rows::
+
+        qweight  i32[.., K/8, N]  row r holds input rows 8r..8r+7, row 8r+j in bits 4j..4j+3
+        scales   f[.., G, N]      compute dtype
+        zeros    u8[.., G, N]     effective zero points, 0..16 (GPTQ v1's +1 already added)
+
+        W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]
+
+    Packing along K (as GPTQ does) keeps whole output columns in each word, so the fused
+    projections' column orders and a tensor-parallel split of either axis select words."""
+
+    qweight: jax.Array
+    scales: jax.Array
+    zeros: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, words, n = self.qweight.shape
+        return (*lead, words * PER_WORD, n)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        *lead, k, n = self.shape
+        groups = self.scales.shape[-2]
+        shifts = 4 * jnp.arange(PER_WORD, dtype=jnp.int32)[:, None]  # [8, 1]
+        # Arithmetic shift of a negative word drags sign bits in; the mask drops them.
+        q = jnp.right_shift(self.qweight[..., :, None, :], shifts) & 0xF  # [.., K/8, 8, N]
+        q = q.reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
+        zeros = self.zeros[..., :, None, :].astype(jnp.int32)  # [.., G, 1, N]
+        w = (q - zeros).astype(dtype) * self.scales[..., :, None, :].astype(dtype)
+        return w.reshape(*lead, k, n)
+
+
 def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
     x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]  # [.., 1]: one scale per token
     xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
@@ -88,6 +130,8 @@ def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
 def linear(x: jax.Array, kernel) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
     if isinstance(kernel, Fp8Weight):
         return _fp8_linear(x, kernel)
+    if isinstance(kernel, Int4Weight):
+        return jnp.dot(x, kernel.dequantize(x.dtype))
     if isinstance(kernel, Int8Weight):
         y = jnp.dot(x, kernel.q.astype(x.dtype))
         return y * kernel.scale.astype(x.dtype)
@@ -104,8 +148,13 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.initializers.lecun_normal(),
-                            (x.shape[-1], self.features), self.dtype)
+        shape = (x.shape[-1], self.features)
+        kernel = self.get_variable("params", "kernel")
+        if isinstance(kernel, Int4Weight):
+            # Flax's param() checks the first leaf's shape, here the packed words [K/8, N].
+            assert kernel.shape == shape, (kernel.shape, shape)
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
         y = linear(x.astype(self.dtype), kernel)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)

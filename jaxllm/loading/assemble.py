@@ -22,7 +22,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
+from jaxllm.layers.linear import PER_WORD, Int4Weight
 from jaxllm.model_config import ModelConfig
+from jaxllm.quantization.config import FROM_CHECKPOINT, QuantizationConfig
+from jaxllm.quantization.int4_checkpoint import (
+    Int4Linear,
+    group_size,
+    linear_in_out,
+    tensor_shapes,
+)
 
 GetTensor = Callable[[str], np.ndarray]
 Index = tuple[slice, ...]
@@ -36,8 +44,16 @@ class Leaf:
     read: Callable[[Index], np.ndarray]  # one slice per axis -> that block, on the host
 
 
-def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape, for every tensor the model needs."""
+def reads_int4(quantization: QuantizationConfig | None) -> bool:
+    """Whether the projections are read packed from a 4-bit checkpoint."""
+    return (quantization is not None and quantization.from_checkpoint
+            and quantization.method in FROM_CHECKPOINT)
+
+
+def expected_hf_shapes(cfg: ModelConfig, quantization: QuantizationConfig | None = None
+                       ) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor name -> shape, for every tensor the model needs (a 4-bit
+    checkpoint's projections: their packed tensors instead of ``weight``)."""
     h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
     if not cfg.tie_word_embeddings:
@@ -58,6 +74,10 @@ def expected_hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attention_bias:
             shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                        p + "self_attn.v_proj.bias": (kv,)}
+        if reads_int4(quantization):
+            for module, (k, n) in linear_in_out(cfg).items():
+                del shapes[p + module + ".weight"]
+                shapes |= tensor_shapes(p + module, k, n, quantization)
     return shapes
 
 
@@ -100,18 +120,21 @@ def gate_up_columns(intermediate_size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
-              available: set[str], dtype: Any, source: str, *, unroll_layers: bool) -> Any:
+              available: set[str], dtype: Any, source: str, *, unroll_layers: bool,
+              quantization: QuantizationConfig | None = None) -> Any:
     """The param tree as :class:`Leaf` objects (per-layer trees when ``unroll_layers``, else
     leaves stacked on a layer axis). ``checkpoint`` is the config the tensors were saved with,
     ``config`` the one the model runs (they differ in KV heads when tensor parallelism
-    replicates them). Raises ModelLoadError naming a missing tensor."""
-    expected = expected_hf_shapes(checkpoint)
+    replicates them). A 4-bit checkpoint's projections become :class:`Int4Weight` trees of
+    leaves. Raises ModelLoadError naming a missing tensor."""
+    expected = expected_hf_shapes(checkpoint, quantization)
     missing = sorted(set(expected) - available, key=_natural_key)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelLoadError(f"{source}: missing tensors {missing[:3]}{more}")
 
-    @functools.lru_cache(maxsize=4)  # q, k, v of one layer: read once for all its columns
+    # q, k, v of one layer (4 tensors each when quantized): read once for all their columns
+    @functools.lru_cache(maxsize=16)
     def load(name: str) -> np.ndarray:
         array = get(name)
         if tuple(array.shape) != expected[name]:
@@ -147,14 +170,49 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
 
         return Leaf((len(parts),) if bias else (inp, len(parts)), read)
 
+    def int4(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray]) -> Int4Weight:
+        """The fused kernel of ``prefixes`` as packed words, scales and zero points, each
+        read in blocks like ``fused`` (the words' rows are K / 8, the others' G)."""
+        parts, rows = columns
+        k = linear_in_out(checkpoint)[prefixes[0].split(".", 3)[-1]][0]
+        sources = [Int4Linear(p, k, quantization, load) for p in prefixes]
+
+        def leaf(height: int, read_part: Callable, out_dtype: Any) -> Leaf:
+            def read(idx: Index) -> np.ndarray:
+                block_rows, cols = range(height)[idx[0]], np.arange(len(parts))[idx[1]]
+                block = np.empty((len(block_rows), len(cols)), out_dtype)
+                for part, source in enumerate(sources):
+                    mask = parts[cols] == part
+                    if mask.any():
+                        block[:, mask] = read_part(source, block_rows, rows[cols[mask]])
+                return block
+
+            return Leaf((height, len(parts)), read)
+
+        groups = k // group_size(quantization, k)
+        return Int4Weight(qweight=leaf(k // PER_WORD, Int4Linear.packed, np.int32),
+                          scales=leaf(groups, Int4Linear.scales, dtype),
+                          zeros=leaf(groups, Int4Linear.zeros, np.uint8))
+
+    def kernel(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray] | None):
+        """A projection's kernel [in, out]; ``columns`` None: one source, not fused."""
+        if reads_int4(quantization):
+            if columns is None:
+                n = expected[prefixes[0] + ".scales"][1]
+                columns = (np.zeros(n, np.int64), np.arange(n))
+            return int4(prefixes, columns)
+        if columns is None:
+            return transposed(prefixes[0] + ".weight")
+        return fused([p + ".weight" for p in prefixes], columns, False)
+
     qkv = qkv_columns(checkpoint, config)
     gate_up = gate_up_columns(config.intermediate_size)
 
     def layer(i: int) -> dict:
         p = f"model.layers.{i}."
         names = [p + f"self_attn.{x}_proj" for x in "qkv"]
-        attn = {"qkv_proj": {"kernel": fused([n + ".weight" for n in names], qkv, False)},
-                "o_proj": {"kernel": transposed(p + "self_attn.o_proj.weight")}}
+        attn = {"qkv_proj": {"kernel": kernel(names, qkv)},
+                "o_proj": {"kernel": kernel([p + "self_attn.o_proj"], None)}}
         if checkpoint.attention_bias:
             attn["qkv_proj"]["bias"] = fused([n + ".bias" for n in names], qkv, True)
         return {
@@ -162,9 +220,9 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
             "post_attention_layernorm": {"scale": whole(p + "post_attention_layernorm.weight")},
             "attn": attn,
             "mlp": {
-                "gate_up_proj": {"kernel": fused(
-                    [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"], gate_up, False)},
-                "down_proj": {"kernel": transposed(p + "mlp.down_proj.weight")},
+                "gate_up_proj": {"kernel": kernel([p + "mlp.gate_proj", p + "mlp.up_proj"],
+                                                  gate_up)},
+                "down_proj": {"kernel": kernel([p + "mlp.down_proj"], None)},
             },
         }
 
@@ -234,11 +292,12 @@ def assemble_params(checkpoint: ModelConfig, get: GetTensor, available: set[str]
                     source: str, *, config: ModelConfig | None = None,
                     unroll_layers: bool = False,
                     shardings: Callable[[Any], Any] | None = None,
-                    transform: Callable[[tuple, jax.Array], Any] | None = None) -> Any:
+                    transform: Callable[[tuple, jax.Array], Any] | None = None,
+                    quantization: QuantizationConfig | None = None) -> Any:
     """The param tree on the device(s), in ``dtype``; raises ModelLoadError naming any bad
     tensor. See :func:`hf_leaves` and :func:`materialize`."""
     leaves = hf_leaves(checkpoint, config or checkpoint, get, available, jnp.dtype(dtype),
-                       source, unroll_layers=unroll_layers)
+                       source, unroll_layers=unroll_layers, quantization=quantization)
     return materialize(leaves, dtype, shardings, transform)
 
 

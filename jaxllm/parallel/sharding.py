@@ -13,6 +13,12 @@ Megatron-style split of the Llama family (the column orders of the fused project
     lm_head/kernel             [H, V]            vocabulary split (columns)
     norms                                        replicated
 
+A quantized kernel's parts split as the kernel: Int8Weight/Fp8Weight's ``q`` as the kernel, its
+per-column ``scale`` as the output axis; Int4Weight's packed words [K/8, N] and its per-group
+scales and zeros [G, N] on both axes as the kernel (a group never straddles two devices:
+:func:`jaxllm.quantization.int4_checkpoint.check_int4_layout`), except that one group over
+all rows (G = 1) is replicated along the input axis.
+
 Stacked layers add a leading layer axis, never split. The KV pool [L, blocks, block_size, Hkv,
 D] is split by KV head: every device holds its heads' pages of every block, so one block table
 serves all devices and the block manager never sees the mesh.
@@ -86,7 +92,7 @@ def kv_head_source(config: ModelConfig, checkpoint_kv_heads: int) -> list[int]:
     return [head // repeat for head in range(config.num_key_value_heads)]
 
 
-def _leaf_spec(path: tuple, ndim: int, vocab_split: bool) -> PartitionSpec:
+def _leaf_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool) -> PartitionSpec:
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
     part = None
     if len(names) >= 3 and names[-2] == "kernel":  # a quantized kernel's part (linear.py)
@@ -97,7 +103,10 @@ def _leaf_spec(path: tuple, ndim: int, vocab_split: bool) -> PartitionSpec:
         trailing = ()
     if part == "scale" and trailing:  # per output channel: split as the kernel's output axis
         trailing = trailing[-1:]
-    return PartitionSpec(*([None] * (ndim - len(trailing))), *trailing)
+    if part in ("scales", "zeros") and trailing and shape[-2] == 1:
+        # An Int4Weight with one group over all input rows: every input shard uses that row.
+        trailing = (None, trailing[-1])
+    return PartitionSpec(*([None] * (len(shape) - len(trailing))), *trailing)
 
 
 def param_shardings(params: Any, mesh: Mesh, config: ModelConfig) -> Any:
@@ -106,7 +115,7 @@ def param_shardings(params: Any, mesh: Mesh, config: ModelConfig) -> Any:
     replicated."""
     vocab_split = config.vocab_size % mesh.shape[TP_AXIS] == 0
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, _leaf_spec(path, len(leaf.shape), vocab_split)),
+        lambda path, leaf: NamedSharding(mesh, _leaf_spec(path, tuple(leaf.shape), vocab_split)),
         params)
 
 

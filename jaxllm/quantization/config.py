@@ -1,12 +1,12 @@
 """Which quantization a model runs with: from ``--quantization`` and from the checkpoint's
 ``quantization_config`` (config.json), with vLLM's rules, checked before any weight is read.
 
-Implemented, both quantized at load time from a float checkpoint: ``int8`` (weight-only, per
-output channel) and ``fp8`` (W8A8: per-output-channel weight scales, dynamic per-token
-activation scales, as vLLM's ``--quantization fp8``). Recognised and refused with a message
-saying so: AWQ, GPTQ and FP8 checkpoints (their loaders and kernels are not written yet),
-each also checked for the bit widths and group sizes those formats allow, so a malformed
-config names its problem.
+Implemented: ``int8`` (weight-only, per output channel) and ``fp8`` (W8A8: per-output-channel
+weight scales, dynamic per-token activation scales, as vLLM's ``--quantization fp8``), both
+quantized at load time from a float checkpoint; and 4-bit ``awq`` (AutoAWQ's GEMM layout) and
+``gptq`` checkpoints, read as they are packed (:mod:`jaxllm.quantization.int4_checkpoint`).
+Recognised and refused with a message naming the problem: other AWQ/GPTQ widths, layouts and
+options, and FP8 checkpoints (their loader is not written yet).
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "fp8", "awq", "gptq")
 IMPLEMENTED = ("int8", "fp8")  # at load time, from float weights
+FROM_CHECKPOINT = ("awq", "gptq")  # read packed from a quantized checkpoint
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)
 GPTQ_BITS = (2, 3, 4, 8)
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus 1; v2 stores it as is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,12 @@ class QuantizationConfig:
     bits: int = 8
     group_size: int = -1  # -1: one group over the whole input dimension
     from_checkpoint: bool = False  # False: quantized at load time from float weights
+    # 4-bit checkpoints only: ``zero_offset`` is added to every stored zero point (GPTQ v1: 1);
+    # ``symmetric`` (GPTQ sym) ignores the stored zeros for the implied 2^(bits-1), as vLLM's
+    # gptq_marlin does (some GPTQ checkpoints label v2 zeros as v1).
+    zero_offset: int = 0
+    symmetric: bool = False
+    modules_to_not_convert: tuple[str, ...] = ()  # AWQ: module names kept in float
 
     def describe(self) -> str:
         group = "" if self.group_size == -1 else f", group size {self.group_size}"
@@ -34,30 +42,63 @@ class QuantizationConfig:
         return f"{self.method} ({self.bits}-bit{group}, {source})"
 
 
+def _awq(qc: Mapping[str, Any]) -> QuantizationConfig:
+    bits = int(qc.get("bits", qc.get("w_bit", 4)))
+    group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+    version = str(qc.get("version", "gemm")).lower()
+    if bits != 4:
+        raise ValueError(f"AWQ checkpoint with bits={bits}: only 4-bit AWQ exists")
+    if group not in AWQ_GROUP_SIZES:
+        raise ValueError(f"AWQ checkpoint with group_size={group}: supported group sizes "
+                         f"are {AWQ_GROUP_SIZES}")
+    if version != "gemm":
+        raise ValueError(f"AWQ checkpoint version {version!r}: only the GEMM layout is "
+                         "supported")
+    if not qc.get("zero_point", True):
+        raise ValueError("AWQ checkpoint with zero_point=false: only AWQ with zero points "
+                         "(AutoAWQ's default, the one vLLM serves) is supported")
+    kept = tuple(qc.get("modules_to_not_convert") or ())
+    return QuantizationConfig("awq", bits, group, True, modules_to_not_convert=kept)
+
+
+def _gptq(qc: Mapping[str, Any]) -> QuantizationConfig:
+    bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+    if bits not in GPTQ_BITS:
+        raise ValueError(f"GPTQ checkpoint with bits={bits}: GPTQ has {GPTQ_BITS}")
+    if bits != 4:
+        raise ValueError(f"GPTQ checkpoint with bits={bits}: jaxllm reads 4-bit GPTQ only")
+    if group != -1 and (group < 1 or group % 8):
+        raise ValueError(f"GPTQ checkpoint with group_size={group}: must be -1 or a positive "
+                         "multiple of 8 (eight 4-bit values per packed word)")
+    fmt = str(qc.get("checkpoint_format") or "gptq").lower()
+    if qc.get("is_marlin_format") or fmt not in GPTQ_FORMATS:
+        fmt = "marlin" if qc.get("is_marlin_format") else fmt
+        raise ValueError(f"GPTQ checkpoint_format {fmt!r}: supported formats are "
+                         f"{GPTQ_FORMATS}")
+    # desc_act reorders which group each input row belongs to (g_idx); with static groups,
+    # or one group over the whole row, the groups stay contiguous.
+    if qc.get("desc_act") and not qc.get("static_groups") and group != -1:
+        raise ValueError("GPTQ checkpoint with desc_act=true (act-order, non-contiguous "
+                         "groups): not supported yet; quantize with desc_act=false or "
+                         "static_groups=true")
+    if qc.get("lm_head"):
+        raise ValueError("GPTQ checkpoint with lm_head=true: a quantized LM head is not "
+                         "supported")
+    if qc.get("dynamic"):
+        raise ValueError("GPTQ checkpoint with per-module 'dynamic' overrides: not supported")
+    symmetric = bool(qc.get("sym", True))  # GPTQModel's default when the key is missing
+    return QuantizationConfig("gptq", bits, group, True,
+                              zero_offset=1 if fmt == "gptq" else 0, symmetric=symmetric)
+
+
 def _checkpoint_method(qc: Mapping[str, Any]) -> QuantizationConfig:
     """Parses a checkpoint's ``quantization_config``; raises ValueError naming what is
     unsupported."""
     method = str(qc.get("quant_method", "")).lower()
     if method == "awq":
-        bits = int(qc.get("bits", qc.get("w_bit", 4)))
-        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-        version = str(qc.get("version", "gemm")).lower()
-        if bits != 4:
-            raise ValueError(f"AWQ checkpoint with bits={bits}: only 4-bit AWQ exists")
-        if group not in AWQ_GROUP_SIZES:
-            raise ValueError(f"AWQ checkpoint with group_size={group}: supported group sizes "
-                             f"are {AWQ_GROUP_SIZES}")
-        if version != "gemm":
-            raise ValueError(f"AWQ checkpoint version {version!r}: only the GEMM layout is "
-                             "supported")
-        return QuantizationConfig("awq", bits, group, True)
+        return _awq(qc)
     if method == "gptq":
-        bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
-        if bits not in GPTQ_BITS:
-            raise ValueError(f"GPTQ checkpoint with bits={bits}: GPTQ has {GPTQ_BITS}")
-        if group != -1 and group < 1:
-            raise ValueError(f"GPTQ checkpoint with group_size={group}")
-        return QuantizationConfig("gptq", bits, group, True)
+        return _gptq(qc)
     if method in ("fp8", "compressed-tensors"):
         if method == "compressed-tensors":
             fmt = qc.get("format")
@@ -89,7 +130,9 @@ def resolve_quantization(requested: str | None,
         return None
     else:
         config = QuantizationConfig(requested)
-    if config.method not in IMPLEMENTED or config.from_checkpoint:
+    runs = config.method in (FROM_CHECKPOINT if config.from_checkpoint else IMPLEMENTED)
+    if not runs:
         raise ValueError(f"{config.describe()} is recognised but not implemented yet: jaxllm "
-                         f"quantizes with {', '.join(IMPLEMENTED)} (at load time)")
+                         f"quantizes with {', '.join(IMPLEMENTED)} (at load time) and reads "
+                         f"{', '.join(FROM_CHECKPOINT)} checkpoints")
     return config
