@@ -1,6 +1,7 @@
 """Quantization: int8 weight-only and FP8 W8A8 (per-output-channel weight scales, quantized
 at load time; FP8 also quantizes each token's activations) against float, and the checks that
-refuse what jaxllm cannot run before any weight is read."""
+refuse what jaxllm cannot run before any weight is read (4-bit AWQ/GPTQ checkpoints that do
+load: ``test_quant_int4.py``)."""
 
 from __future__ import annotations
 
@@ -125,8 +126,20 @@ def test_load_time_quantization_through_load_model_and_the_engine_flag(method, s
     ({"quant_method": "gptq", "bits": 5, "group_size": 128}, "bits=5"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'pack-quantized'"),
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes', which jaxllm does not support"),
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "awq .*not implemented yet"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "gptq .*not implemented yet"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128},
+     "bits=8: jaxllm reads 4-bit GPTQ only"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True},
+     "desc_act=true"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "checkpoint_format": "marlin"},
+     "checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "lm_head": True}, "lm_head=true"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": False},
+     "zero_point=false"),
+    # The tiny model's hidden size is 64: groups of 128 rows do not tile it.
+    ({"quant_method": "awq", "bits": 4, "group_size": 128},
+     "self_attn.q_proj has 64 inputs, which groups of 128"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "modules_to_not_convert": ["mlp"]},
+     "modules_to_not_convert names 'mlp'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized"},
      r"fp8 \(8-bit, checkpoint\) is recognised but not implemented yet"),
 ])
