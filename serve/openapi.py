@@ -89,7 +89,7 @@ SAMPLING = {
     "best_of": integer(None, "Accepted only when equal to n.", minimum=1),
     "temperature": number(1.0, "0 samples greedily.", minimum=0),
     "top_p": number(1.0, exclusiveMinimum=0, maximum=1),
-    "top_k": integer(0, "0 or -1 turns it off.", minimum=-1),
+    "top_k": integer(0, "0 or -1 turns it off.", minimum=-1, maximum=protocol.MAX_TOP_K),
     "min_p": number(0.0, minimum=0, maximum=1),
     "repetition_penalty": number(1.0, exclusiveMinimum=0, maximum=2),
     "presence_penalty": number(0.0, minimum=-2, maximum=2),
@@ -180,7 +180,7 @@ def message_schemas() -> dict:
     part = obj({"type": {"const": "text"}, "text": string()}, ["type", "text"])
     content = {"anyOf": [string(), array(part)], "description": "Text, or a list of text "
                "parts (joined with newlines); other part types are refused."}
-    name = string("Passed to the chat template.")
+    name = nullable(string("Passed to the chat template."))
     call = obj({"id": string(), "type": {"const": "function"},
                 "function": obj({"name": string(), "arguments": string(
                     "The arguments as JSON text.", default="")}, ["name"])}, ["function"])

@@ -27,6 +27,7 @@ MAX_PROMPTS = 128  # prompts in one completions request
 MAX_STOP = 64  # stop strings / stop token ids per request
 MAX_STOP_CHARS = 256
 INT64 = 2**63
+MAX_TOP_K = 2**31 - 1  # the sampler's int32 column; any k past the vocabulary means "off"
 # Fields that change the output but have no implementation here: refuse rather than ignore.
 UNSUPPORTED = ("suffix", "logit_bias", "allowed_token_ids", "bad_words", "logits_processors",
                "prompt_logprobs", "prompt_embeds", "chat_template", "functions",
@@ -251,7 +252,7 @@ def _sampling(f: Fields, vocab_size: int, max_n: int, *, max_tokens: int | None,
     best_of = f.int("best_of", None)
     if best_of is not None and best_of != n:
         raise bad_request("best_of is not supported (only best_of == n)", "best_of")
-    top_k = f.int("top_k", 0)
+    top_k = f.int("top_k", 0, -1, MAX_TOP_K)
     seed = f.int("seed", None, -INT64, INT64 - 1)
     fields = dict(
         n=n, temperature=f.number("temperature", 1.0), top_p=f.number("top_p", 1.0),
@@ -347,7 +348,9 @@ def parse_messages(value: Any) -> list[dict]:
             raise bad_request(f"messages[{i}].content must be a string or a list of text "
                               f"parts, got {_json_type(content)}", "messages")
         clean = {"role": role, "content": content}
-        if isinstance(message.get("name"), str):
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise bad_request(f"messages[{i}].name must be a string", "messages")
             clean["name"] = message["name"]
         if role == "assistant" and message.get("tool_calls"):
             clean["tool_calls"] = _tool_calls(i, message["tool_calls"])

@@ -269,6 +269,10 @@ CHAT_REFUSED = {
     "a reserved template kwarg": {"chat_template_kwargs": {"tokenize": True}},
     "stream as a string": {"stream": "yes"},
     "a seed beyond int64": {"seed": 2**63},
+    # Found by schema fuzzing (tests/test_server_fuzz.py): both were accepted by the parser.
+    "a top_k beyond int32": {"top_k": 2**31},
+    "a message name that is not a string": {"messages": [{"role": "user", "content": "hi",
+                                                          "name": 3}]},
 }
 
 

@@ -234,6 +234,8 @@ BAD_INPUTS = [
     ("top_p > 1", C, {"prompt": "hi", "top_p": 1.5}, 400, "BadRequestError"),
     ("top_k -2", C, {"prompt": "hi", "top_k": -2}, 400, "BadRequestError"),
     ("top_k float", C, {"prompt": "hi", "top_k": 1.5}, 400, "BadRequestError"),
+    # Found by schema fuzzing: a top_k past int32 reached the sampler and killed the engine.
+    ("top_k past int32", C, {"prompt": "hi", "top_k": 2**31}, 400, "BadRequestError"),
     ("min_p > 1", C, {"prompt": "hi", "min_p": 2}, 400, "BadRequestError"),
     ("repetition_penalty 0", C, {"prompt": "hi", "repetition_penalty": 0}, 400,
      "BadRequestError"),
@@ -279,6 +281,8 @@ BAD_INPUTS = [
      "BadRequestError"),
     ("content number", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400,
      "BadRequestError"),
+    ("name number", CHAT, {"messages": [{"role": "user", "content": "hi", "name": 3}]}, 400,
+     "BadRequestError"),
     ("image part", CHAT, {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "BadRequestError"),
     ("top_logprobs without logprobs", CHAT, {"messages": MSG, "top_logprobs": 2}, 400,
@@ -309,6 +313,12 @@ def test_bad_input_gets_its_4xx(server, name, path, body, status, error_type):
     error = json.loads(raw)["error"]
     assert error["type"] == error_type and error["code"] == status and error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_top_k_at_its_limit_samples(client):
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, seed=1,
+                                    extra_body={"top_k": 2**31 - 1})  # past the vocab: off
+    assert out.usage.completion_tokens == 2
 
 
 def test_context_messages_are_vllms(server):
