@@ -23,6 +23,10 @@ from jaxllm.quantization import resolve_quantization
 HERE = os.path.dirname(__file__)
 TEXT = os.path.join(HERE, "fixtures", "text", "pride_and_prejudice_ch1.txt")
 TINY_QWEN = os.path.join(HERE, "fixtures", "tiny", "qwen2_bias")
+# Greedy-token prompts for the quantized SmolLM2 tests (here and test_quant_smollm2.py).
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
+           "The largest planet in the solar system is", "Once upon a time,",
+           "1, 2, 3, 4, 5,", "The opposite of hot is", "Shakespeare wrote"]
 
 
 def test_int8_linear_stays_within_half_a_step_of_float():
@@ -87,14 +91,11 @@ def test_smollm2_int8_keeps_perplexity_and_greedy_tokens(smollm2):
     # measured on this text.
     fp8 = _perplexity(smollm2.with_quantization("fp8"), ids)
     assert fp8 / base < 1.05, (base, fp8)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at",
-               "The largest planet in the solar system is", "Once upon a time,",
-               "1, 2, 3, 4, 5,", "The opposite of hot is", "Shakespeare wrote"]
     params = jaxllm.SamplingParams(temperature=0, max_tokens=6)
     outs = {}
     for name, model in (("float", smollm2), ("int8", int8)):
         llm = jaxllm.LLM(model, progress=False, **SMOLLM2_ENGINE_ARGS)
-        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params,
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
                                                                    use_tqdm=False)]
     same = sum(a[:4] == b[:4] for a, b in zip(outs["float"], outs["int8"], strict=True))
     assert same >= 6, (same, outs)

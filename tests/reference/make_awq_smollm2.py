@@ -23,6 +23,7 @@ packed along K in order, ``qzeros`` i32[K/g, N/8] along N in order (v1: zero - 1
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -144,12 +145,16 @@ def write_smollm2(out_dir: str, method: str = "awq", group: int = 64) -> str:
     from jaxllm.loading import default_model_path
     from jaxllm.loading.gguf_file import GGUFCheckpoint
     from jaxllm.loading.tokenizer import tokenizer_from_gguf
+    from jaxllm.model_config import ModelConfig
 
     gguf = GGUFCheckpoint(default_model_path())
-    assert gguf.config.rope_scaling is None, "config.json here writes no rope_scaling"
+    hf_config = smollm2_hf_config(gguf.config)
+    written = dataclasses.replace(ModelConfig.from_hf_config(hf_config),
+                                  checkpoint_dtype=gguf.config.checkpoint_dtype)
+    assert written == gguf.config, (written, gguf.config)  # the config.json says it all
     tensors = {name: gguf.get(name) for name in sorted(gguf.names())}
-    write_checkpoint(out_dir, smollm2_hf_config(gguf.config),
-                     quantize_checkpoint(tensors, method, group), method, group)
+    write_checkpoint(out_dir, hf_config, quantize_checkpoint(tensors, method, group), method,
+                     group)
     tokenizer_from_gguf(gguf.metadata).save_pretrained(out_dir)
     return out_dir
 
