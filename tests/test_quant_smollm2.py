@@ -56,4 +56,6 @@ def test_smollm2_awq_int4_keeps_most_greedy_tokens(smollm2_llm, awq_smollm2):
         outs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params,
                                                                    use_tqdm=False)]
     same = sum(a == b for a, b in zip(outs["float"], outs["awq"], strict=True))
-    assert same >= 6, (same, outs)  # measured: see RESULTS.md
+    # Measured 6 of 8 (RTN int4 turns " 100" after "Water boils at" into " 1" and " Jupiter"
+    # into " determined"); 5 leaves one near-tie to the platform's float differences.
+    assert same >= 5, (same, outs)

@@ -42,6 +42,7 @@ def rtn_int4(w: np.ndarray, group: int, symmetric: bool = False):
     s = absmax / 7.5). Returns q u8[K, N], scales f16[G, N], zeros u8[G, N]; q is rounded
     against the fp16 scales that are stored."""
     k, n = w.shape
+    group = k if group == -1 else group  # -1: one group over all rows
     g = w.astype(np.float32).reshape(k // group, group, n)
     if symmetric:
         scales = np.maximum(np.abs(g).max(axis=1), 1e-5) * 2 / MAX_Q
