@@ -352,8 +352,10 @@ def parse_messages(value: Any) -> list[dict]:
             if not isinstance(message["name"], str):
                 raise bad_request(f"messages[{i}].name must be a string", "messages")
             clean["name"] = message["name"]
-        if role == "assistant" and message.get("tool_calls"):
-            clean["tool_calls"] = _tool_calls(i, message["tool_calls"])
+        if role == "assistant" and message.get("tool_calls") is not None:
+            calls = _tool_calls(i, message["tool_calls"])
+            if calls:
+                clean["tool_calls"] = calls
         if role == "tool" and message.get("tool_call_id") is not None:
             if not isinstance(message["tool_call_id"], str):
                 raise bad_request(f"messages[{i}].tool_call_id must be a string", "messages")
@@ -371,10 +373,13 @@ def _tool_calls(i: int, calls: Any) -> list[dict]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                and isinstance(function.get("arguments", ""), str)):
+                and isinstance(function.get("arguments", ""), str)
+                and isinstance(call.get("id", ""), str)
+                and call.get("type", "function") == "function"):
             raise bad_request(f"{where}: each call needs function.name and function.arguments "
-                              "(a JSON string)", "messages")
-        clean.append({"id": str(call.get("id", "")), "type": "function",
+                              '(a JSON string), and takes a string id and type "function"',
+                              "messages")
+        clean.append({"id": call.get("id", ""), "type": "function",
                       "function": {"name": function["name"],
                                    "arguments": function.get("arguments", "")}})
     return clean

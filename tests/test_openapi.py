@@ -273,6 +273,11 @@ CHAT_REFUSED = {
     "a top_k beyond int32": {"top_k": 2**31},
     "a message name that is not a string": {"messages": [{"role": "user", "content": "hi",
                                                           "name": 3}]},
+    "a tool call id that is not a string": {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": {}, "function": {"name": "f", "arguments": "{}"}}]}]},
+    "tool calls that are not a list": {"messages": [{"role": "assistant", "tool_calls": 0}]},
+    "a tool call of another type": {"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},
 }
 
 

@@ -299,6 +299,9 @@ BAD_INPUTS = [
     ("unknown response_format", CHAT, {"messages": MSG, "response_format":
                                        {"type": "yaml"}}, 400, "BadRequestError"),
     ("tokenize nothing", "/tokenize", {}, 400, "BadRequestError"),
+    ("tokenize a tool call with an object id", "/tokenize", {"messages": [
+        {"role": "assistant", "tool_calls": [{"id": {}, "function": {"name": "f"}}]}]}, 400,
+     "BadRequestError"),
     ("detokenize negative", "/detokenize", {"tokens": [-5]}, 400, "BadRequestError"),
     ("detokenize past vocab", "/detokenize", {"tokens": [10**7]}, 400, "BadRequestError"),
 ]

@@ -1,0 +1,389 @@
+"""Schema fuzzing of a live ``jaxllm serve`` with schemathesis (issue 20's long run).
+
+    python -m jaxllm.benchmarks.fuzz_server --examples 3000 --out fuzz.json
+
+Starts a server of the embedded SmolLM2 model on 127.0.0.1 (in this process, with an API key),
+reads its ``/openapi.json`` and sends every operation ``--examples`` generated requests per
+generation mode: positive (bodies the schema accepts) and negative (bodies it refuses). Each
+response is checked (:func:`check`): no 5xx and no timeout, every non-2xx body an OpenAI error
+body with the status as its ``code``, a stream ending in ``data: [DONE]``, and schemathesis'
+conformance checks (status code, content type, headers and body as documented; negative data
+refused with a 4xx). Afterwards the server must still answer ``/health`` and a completion, with
+no request in the engine and every KV block free. Prints and writes JSON: requests per
+operation and mode, the outcome classes (``2xx``, ``4xx`` by status, ``5xx``, ``timeout``),
+the problems found (the first few of each kind, with a curl line to replay them) and the
+final checks. Exit status 1 when a problem was found.
+
+Generation stays cheap on CPU: :func:`cap` keeps ``max_tokens`` at :data:`MAX_TOKENS` (set when
+absent: chat would otherwise run to the context length) and ``n`` at 2, so the budget goes to
+requests, not decode steps. tests/test_server_fuzz.py runs the same loop, bounded, in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import concurrent.futures
+import dataclasses
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import requests
+from jaxllm.benchmarks.provenance import source_commit
+
+MAX_TOKENS = 2  # per generated request: fuzzing is about requests, not decode steps
+MAX_N = 2
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ERROR_KEYS = {"message", "type", "param", "code"}
+REQUEST_TIMEOUT = 60.0  # seconds; a request past it counts as a hang
+CONNECTION_FAILED = -1  # the status recorded when no connection could be made
+PROBLEM_SAMPLES = 3  # replay lines kept per kind of problem
+
+
+def cap(path: str, body: object) -> object:
+    """``body`` with its decode work bounded (only where the fields are what the schema says:
+    a wrongly typed value is left for the server to refuse)."""
+    if path not in GENERATION_PATHS or not isinstance(body, dict):
+        return body
+    names = ("max_tokens",) if path == GENERATION_PATHS[0] else (
+        "max_tokens", "max_completion_tokens")
+    for name in names:
+        value = body.get(name)
+        if value is None or _is_int(value) and value > MAX_TOKENS:
+            body[name] = MAX_TOKENS
+    for name in ("n", "best_of"):
+        if _is_int(body.get(name)) and body[name] > MAX_N:
+            body[name] = MAX_N
+    if _is_int(body.get("min_tokens")) and body["min_tokens"] > MAX_TOKENS:
+        body["min_tokens"] = MAX_TOKENS
+    return body
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def error_body_problem(status: int, content: bytes) -> str | None:
+    """Why a non-2xx body is not the server's OpenAI error body, or None."""
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return f"{status} with a body that is not JSON: {content[:120]!r}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict) or set(body) != {"error"} or set(error) != ERROR_KEYS:
+        return f"{status} without the error envelope: {content[:200]!r}"
+    if not (isinstance(error["message"], str) and isinstance(error["type"], str)
+            and (error["param"] is None or isinstance(error["param"], str))):
+        return f"{status} with mistyped error fields: {content[:200]!r}"
+    if error["code"] != status:
+        return f"{status} with code {error['code']!r}"
+    return None
+
+
+def stream_problem(content: bytes) -> str | None:
+    """Why a 200 event stream is malformed (an event that is not JSON, an error event in the
+    wrong shape, no final ``[DONE]``), or None."""
+    events = content.decode("utf-8", "replace").split("\n\n")
+    if events[-1] != "" or events[-2:-1] != ["data: [DONE]"]:
+        return f"a stream that does not end with data: [DONE]: {content[-120:]!r}"
+    for event in events[:-2]:
+        if not event.startswith("data: "):
+            return f"an event without data: {event[:120]!r}"
+        try:
+            payload = json.loads(event[6:])
+        except ValueError:
+            return f"an event that is not JSON: {event[:120]!r}"
+        if isinstance(payload, dict) and "error" in payload:
+            problem = error_body_problem(payload["error"].get("code", 0), event[6:].encode())
+            if problem:
+                return "in a stream: " + problem
+    return None
+
+
+def outcome(status: int | None) -> str:
+    if status is None:
+        return "timeout"
+    if status == CONNECTION_FAILED:
+        return "connection failed"
+    return "2xx" if status < 300 else f"{status}" if status < 500 else f"5xx:{status}"
+
+
+@dataclasses.dataclass
+class Tally:
+    """Requests sent per operation and mode, their outcome classes, and the problems seen."""
+
+    counts: dict = dataclasses.field(
+        default_factory=lambda: collections.defaultdict(collections.Counter))
+    problems: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))
+    problem_counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def record(self, label: str, mode: str, status: int | None, problems: list[str],
+               replay: Callable[[], str]) -> None:
+        with self.lock:
+            self._record(label, mode, status, problems, replay)
+
+    def _record(self, label: str, mode: str, status: int | None, problems: list[str],
+                replay: Callable[[], str]) -> None:
+        self.counts[f"{label} [{mode}]"][outcome(status)] += 1
+        for problem in problems:
+            kind = f"{label}: {problem.splitlines()[0][:160]}"
+            self.problem_counts[kind] += 1
+            if len(self.problems[kind]) < PROBLEM_SAMPLES:
+                self.problems[kind].append(replay())
+
+    def as_json(self) -> dict:
+        return {"requests": {k: dict(sorted(v.items())) for k, v in sorted(self.counts.items())},
+                "total": sum(sum(v.values()) for v in self.counts.values()),
+                "problems": {k: {"count": n, "replay": self.problems[k]}
+                             for k, n in self.problem_counts.most_common()}}
+
+
+def check(case, response, status: int | None) -> list[str]:
+    """Every property a response breaks (empty when none): see the module docstring."""
+    from schemathesis.core.failures import FailureGroup
+    from schemathesis.specs.openapi import checks as openapi_checks
+
+    if status is None:
+        return [f"no answer within {REQUEST_TIMEOUT:g} s"]
+    problems = []
+    content = response.content
+    if status >= 500:
+        problems.append(f"a {status}: {content[:200]!r}")
+    if status >= 400:
+        problem = error_body_problem(status, content)
+    elif response.headers.get("Content-Type", "").startswith("text/event-stream"):
+        problem = stream_problem(content)
+    else:
+        problem = None
+    if problem:
+        problems.append(problem)
+    if 200 <= status < 300 and case.body is not None:
+        refusal = schema_refusal(case)  # schemathesis' AcceptedNegativeData, made readable
+        if refusal:
+            problems.append(f"accepted a body the schema refuses: {refusal}")
+    try:
+        case.validate_response(response, checks=[
+            openapi_checks.status_code_conformance, openapi_checks.content_type_conformance,
+            openapi_checks.response_headers_conformance,
+            openapi_checks.response_schema_conformance])
+    except FailureGroup as group:
+        problems.extend(f"{type(e).__name__}: {e.title}" for e in group.exceptions)
+    except AssertionError as e:
+        problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return problems
+
+
+def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
+         modes: Iterable[str] = ("coverage", "positive", "negative"),
+         paths: Iterable[str] | None = None, seed: int = 0, concurrency: int = 4,
+         coverage_limit: int | None = None, deadline: float | None = None) -> Tally:
+    """Sends every operation of the server's schema (or those under ``paths``) ``examples``
+    generated requests per mode, ``concurrency`` at a time (so the engine batches them).
+    ``coverage_limit``: at most this many of an operation's coverage cases, evenly spread
+    over them; ``deadline`` (time.monotonic) ends the run early."""
+    import schemathesis
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
+    local = threading.local()
+
+    def send_one(item) -> None:
+        case, label, mode = item
+        if deadline is not None and time.monotonic() > deadline:
+            return
+        if not hasattr(local, "session"):
+            local.session = requests.Session()
+        send(case, base_url, local.session, headers, tally, label, mode)
+
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        for operation in (result.ok() for result in schema.get_all_operations()):
+            if paths is not None and operation.path not in paths:
+                continue
+            label = f"{operation.method.upper()} {operation.path}"
+            for mode in modes:
+                began = time.monotonic()
+                if mode == "coverage":  # schemathesis' boundary and type cases, each once
+                    cases = list(schema.iter_coverage_cases(
+                        operation, generation_modes=list(GenerationMode),
+                        generation_config=schema.config.generation_for(operation=operation)))
+                    if coverage_limit is not None and len(cases) > coverage_limit:
+                        cases = cases[::-(-len(cases) // coverage_limit)]
+                else:
+                    cases = generate(operation.as_strategy(GenerationMode(mode)), examples,
+                                     seed)
+                list(pool.map(send_one, [(case, label, mode) for case in cases]))
+                counts = tally.counts[f"{label} [{mode}]"]
+                print(f"{label} [{mode}]: {sum(counts.values())} requests in "
+                      f"{time.monotonic() - began:.1f} s: {dict(counts)}", file=sys.stderr,
+                      flush=True)
+    return tally
+
+
+def schema_refusal(case) -> str | None:
+    """Why the operation's request schema refuses ``case.body`` (the deepest reason, with its
+    path), or None when it accepts it."""
+    import jsonschema
+
+    document = case.operation.schema.raw_schema
+    body = case.operation.definition.raw.get("requestBody")
+    if body is None:
+        return None
+    schema = body["content"]["application/json"]["schema"]
+    validator = jsonschema.Draft202012Validator(schema | {"components": document["components"]})
+    error = jsonschema.exceptions.best_match(validator.iter_errors(case.body))
+    if error is None:
+        return None
+    while error.context:  # anyOf / oneOf: the deepest of the alternatives' reasons
+        error = jsonschema.exceptions.best_match(error.context)
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"at body/{where}: {error.message[:200]}"
+
+
+def replay(case) -> str:
+    """The request as sent, less the API key (schemathesis' curl line masks any field named
+    like a token, e.g. add_special_tokens)."""
+    sent = {"method": case.method, "path": case.formatted_path}
+    for name in ("query", "headers", "body"):
+        value = getattr(case, name, None)
+        if value:
+            sent[name] = dict(value) if name != "body" else value
+    return json.dumps(sent, default=repr)[:2000]
+
+
+def generate(strategy, examples: int, seed: int) -> list:
+    """Up to ``examples`` cases drawn by hypothesis from ``seed`` (the same ones every run)."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as fixed_seed
+    from hypothesis.errors import Unsatisfiable
+
+    cases = []
+
+    @fixed_seed(seed)
+    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def draw(case):
+        cases.append(case)
+
+    try:
+        draw()
+    except Unsatisfiable:  # nothing to generate: e.g. negative data for a route without input
+        pass
+    return cases
+
+
+def send(case, base_url: str, session: requests.Session, headers: dict[str, str],
+         tally: Tally, label: str, mode: str) -> None:
+    case.body = cap(case.operation.path, case.body)
+    try:
+        response = case.call(base_url=base_url, session=session, headers=headers,
+                             timeout=REQUEST_TIMEOUT)
+        status = response.status_code
+    except requests.Timeout:
+        response, status = None, None
+    except requests.ConnectionError as e:  # the server went away (its engine died?)
+        tally.record(label, mode, CONNECTION_FAILED, [f"no connection: {e}"[:200]],
+                     lambda: replay(case))
+        return
+    problems = check(case, response, status)
+    tally.record(label, mode, status, problems, lambda: replay(case))
+
+
+def final_checks(base_url: str, headers: dict[str, str], engine_state: Callable[[], dict]
+                 ) -> dict:
+    """The server still serves (health, a completion) and the engine is idle with every KV
+    block free."""
+    health = requests.get(base_url + "/health", timeout=30).status_code
+    completion = requests.post(base_url + "/v1/completions", headers=headers, timeout=120, json={
+        "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+    deadline = time.monotonic() + 60
+    state = engine_state()
+    while state["unfinished"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        state = engine_state()
+    return {"health": health, "completion": completion.status_code,
+            "completion_text": completion.json()["choices"][0]["text"]
+            if completion.status_code == 200 else None, **state,
+            "ok": health == 200 and completion.status_code == 200 and not state["unfinished"]
+            and state["free_blocks"] == state["usable_blocks"]}
+
+
+def engine_state_reader(server) -> Callable[[], dict]:
+    """Reads (on the engine thread) whether requests remain and how many blocks are free."""
+    def read(engine):
+        bm = engine.block_manager
+        bm.check_invariants()
+        return {"unfinished": engine.has_unfinished_requests(),
+                "free_blocks": bm.num_free_blocks, "usable_blocks": bm.num_gpu_blocks - 1,
+                "server_active": len(server.state.active),
+                "admission_pending": server.state.admission.pending}
+
+    return lambda: server.call(lambda: server.engine.run_in_engine(read))
+
+
+# The limits of the tests' shared SmolLM2 engine (tests/conftest.py SMOLLM2_ENGINE_ARGS).
+ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256,
+                   num_gpu_blocks_override=129, enforce_eager=True)
+API_KEY = "fuzz-key"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--examples", type=int, default=2000,
+                   help="generated requests per operation and mode (default 2000)")
+    p.add_argument("--modes", default="coverage,positive,negative",
+                   help="coverage (schemathesis' boundary cases), positive, negative")
+    p.add_argument("--paths", default=None, help="comma-separated paths (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="stop generating after this long (the final checks still run)")
+    p.add_argument("--out", default=None, help="write the JSON result here too")
+
+
+def run(args: argparse.Namespace) -> int:
+    from jaxllm.serve.args import ServerConfig
+    from jaxllm.serve.server import BackgroundServer
+
+    import jaxllm
+    from jaxllm import AsyncLLMEngine
+
+    llm = jaxllm.LLM(jaxllm.load_model(None, dtype="float32"), progress=False, **ENGINE_ARGS)
+    config = ServerConfig(host="127.0.0.1", port=0, served_model_name=("smollm2", "alias"),
+                          api_key=API_KEY, disable_log_requests=True, disable_log_stats=True)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    started = time.monotonic()
+    deadline = None if args.max_minutes is None else started + 60 * args.max_minutes
+    with BackgroundServer(AsyncLLMEngine(llm.engine), config) as server:
+        tally = fuzz(server.url, headers, args.examples, Tally(),
+                     modes=args.modes.split(","),
+                     paths=None if args.paths is None else args.paths.split(","),
+                     seed=args.seed, concurrency=args.concurrency, deadline=deadline)
+        final = final_checks(server.url, headers, engine_state_reader(server))
+    result = {"commit": source_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                               time.gmtime()),
+              "examples_per_operation_and_mode": args.examples, "seed": args.seed,
+              "modes": args.modes, "concurrency": args.concurrency,
+              "max_tokens": MAX_TOKENS, "seconds": round(time.monotonic() - started, 1),
+              **tally.as_json(), "final": final}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0 if final["ok"] and not result["problems"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxllm.benchmarks.fuzz_server",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
