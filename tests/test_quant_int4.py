@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference.make_awq_smollm2 import quantize_checkpoint, write_checkpoint
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 
 import jaxllm
+from jaxllm.errors import ModelLoadError
 from jaxllm.layers.linear import Int4Weight, linear
 from jaxllm.quantization import resolve_quantization
 from jaxllm.quantization.int4_checkpoint import Int4Linear
@@ -136,8 +137,6 @@ def test_act_order_g_idx_is_refused_when_read(tmp_path):
     tensors = load_file(os.path.join(path, "model.safetensors"))
     name = "model.layers.0.self_attn.o_proj.g_idx"
     tensors[name] = tensors[name][::-1].copy()
-    from safetensors.numpy import save_file
-
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    with pytest.raises(ValueError, match=r"o_proj.g_idx is not k // 32 \(act-order"):
+    with pytest.raises(ModelLoadError, match=r"o_proj.g_idx is not k // 32 \(act-order"):
         jaxllm.load_model(path, dtype="float32")

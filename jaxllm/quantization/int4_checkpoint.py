@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from jaxllm.errors import ModelLoadError
 from jaxllm.layers.linear import PER_WORD
 from jaxllm.model_config import ModelConfig
 from jaxllm.quantization.config import QuantizationConfig
@@ -156,8 +157,8 @@ class Int4Linear:
             return
         g_idx = np.asarray(self._tensor("g_idx"))
         if not np.array_equal(g_idx, np.arange(self.k) // self.group):
-            raise ValueError(f"{self.prefix}.g_idx is not k // {self.group} (act-order "
-                             "groups); such GPTQ checkpoints are not supported yet")
+            raise ModelLoadError(f"{self.prefix}.g_idx is not k // {self.group} (act-order "
+                                 "groups); such GPTQ checkpoints are not supported yet")
         self._checked_groups = True
 
 

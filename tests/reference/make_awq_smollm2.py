@@ -141,7 +141,8 @@ def smollm2_hf_config(config) -> dict:
             "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}
 
 
-def write_smollm2(out_dir: str, method: str = "awq", group: int = 64) -> str:
+def write_smollm2(out_dir: str, method: str = "awq", group: int = 64,
+                  symmetric: bool = False) -> str:
     """SmolLM2-135M-Instruct (embedded GGUF) as a 4-bit checkpoint with its tokenizer."""
     from jaxllm.loading import default_model_path
     from jaxllm.loading.gguf_file import GGUFCheckpoint
@@ -154,8 +155,8 @@ def write_smollm2(out_dir: str, method: str = "awq", group: int = 64) -> str:
                                   checkpoint_dtype=gguf.config.checkpoint_dtype)
     assert written == gguf.config, (written, gguf.config)  # the config.json says it all
     tensors = {name: gguf.get(name) for name in sorted(gguf.names())}
-    write_checkpoint(out_dir, hf_config, quantize_checkpoint(tensors, method, group), method,
-                     group)
+    write_checkpoint(out_dir, hf_config, quantize_checkpoint(tensors, method, group, symmetric),
+                     method, group, symmetric)
     tokenizer_from_gguf(gguf.metadata).save_pretrained(out_dir)
     return out_dir
 
