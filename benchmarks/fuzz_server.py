@@ -180,11 +180,12 @@ def check(case, response, status: int | None) -> list[str]:
 def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
          modes: Iterable[str] = ("coverage", "positive", "negative"),
          paths: Iterable[str] | None = None, seed: int = 0, concurrency: int = 4,
-         coverage_limit: int | None = None, deadline: float | None = None) -> Tally:
+         coverage_limit: int | None = None, seconds_per_mode: float | None = None) -> Tally:
     """Sends every operation of the server's schema (or those under ``paths``) ``examples``
     generated requests per mode, ``concurrency`` at a time (so the engine batches them).
     ``coverage_limit``: at most this many of an operation's coverage cases, evenly spread
-    over them; ``deadline`` (time.monotonic) ends the run early."""
+    over them; ``seconds_per_mode``: stop sending an operation's cases of one mode after this
+    long."""
     import schemathesis
     from schemathesis import GenerationMode
 
@@ -192,7 +193,7 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
     local = threading.local()
 
     def send_one(item) -> None:
-        case, label, mode = item
+        case, label, mode, deadline = item
         if deadline is not None and time.monotonic() > deadline:
             return
         if not hasattr(local, "session"):
@@ -215,7 +216,8 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
                 else:
                     cases = generate(operation.as_strategy(GenerationMode(mode)), examples,
                                      seed)
-                list(pool.map(send_one, [(case, label, mode) for case in cases]))
+                deadline = None if seconds_per_mode is None else began + seconds_per_mode
+                list(pool.map(send_one, [(case, label, mode, deadline) for case in cases]))
                 counts = tally.counts[f"{label} [{mode}]"]
                 print(f"{label} [{mode}]: {sum(counts.values())} requests in "
                       f"{time.monotonic() - began:.1f} s: {dict(counts)}", file=sys.stderr,
@@ -339,8 +341,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--paths", default=None, help="comma-separated paths (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop generating after this long (the final checks still run)")
+    p.add_argument("--seconds-per-mode", type=float, default=None,
+                   help="stop sending an operation's cases of one mode after this long")
+    p.add_argument("--coverage-limit", type=int, default=None,
+                   help="at most this many coverage cases per operation (default: all)")
     p.add_argument("--out", default=None, help="write the JSON result here too")
 
 
@@ -356,17 +360,18 @@ def run(args: argparse.Namespace) -> int:
                           api_key=API_KEY, disable_log_requests=True, disable_log_stats=True)
     headers = {"Authorization": f"Bearer {API_KEY}"}
     started = time.monotonic()
-    deadline = None if args.max_minutes is None else started + 60 * args.max_minutes
     with BackgroundServer(AsyncLLMEngine(llm.engine), config) as server:
         tally = fuzz(server.url, headers, args.examples, Tally(),
                      modes=args.modes.split(","),
                      paths=None if args.paths is None else args.paths.split(","),
-                     seed=args.seed, concurrency=args.concurrency, deadline=deadline)
+                     seed=args.seed, concurrency=args.concurrency,
+                     coverage_limit=args.coverage_limit, seconds_per_mode=args.seconds_per_mode)
         final = final_checks(server.url, headers, engine_state_reader(server))
     result = {"commit": source_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                time.gmtime()),
               "examples_per_operation_and_mode": args.examples, "seed": args.seed,
               "modes": args.modes, "concurrency": args.concurrency,
+              "seconds_per_mode": args.seconds_per_mode,
               "max_tokens": MAX_TOKENS, "seconds": round(time.monotonic() - started, 1),
               **tally.as_json(), "final": final}
     text = json.dumps(result, indent=1)
