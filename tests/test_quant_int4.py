@@ -118,6 +118,13 @@ def test_tiny_awq_and_gptq_checkpoints_load_packed_and_run(tmp_path):
         kernel = np.asarray(float_model.params["layers"][path[0]][path[1]]["kernel"])
         step = np.repeat(np.asarray(a.scales), kernel.shape[-2] // a.scales.shape[-2], axis=-2)
         assert np.all(np.abs(np.asarray(a.dequantize()) - kernel) <= step / 2 + 1e-6)
+    # The unrolled layer stack (GPU's default) reads the same packed leaves per layer.
+    unrolled = jaxllm.load_model(write_tiny(tmp_path, "awq"), dtype="float32",
+                                 unroll_layers=True)
+    down = unrolled.params["layers"][1]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(down, Int4Weight)
+    np.testing.assert_array_equal(np.asarray(down.qweight),
+                                  np.asarray(awq["mlp"]["down_proj"]["kernel"].qweight[1]))
     llm = jaxllm.LLM(write_tiny(tmp_path, "awq"), quantization="awq", max_num_seqs=2,
                      max_model_len=64, enforce_eager=True, compilation_cache_dir=None,
                      progress=False)
