@@ -38,7 +38,10 @@ MAX_TOKENS = 2  # per generated request: fuzzing is about requests, not decode s
 MAX_N = 2
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ERROR_KEYS = {"message", "type", "param", "code"}
-REQUEST_TIMEOUT = 60.0  # seconds; a request past it counts as a hang
+# Seconds without an answer that count as a hang. Generous: on a loaded 2-core machine, the
+# first request of a new step shape waits for its compile (2 minutes seen with 7 runnable
+# processes).
+REQUEST_TIMEOUT = 300.0
 CONNECTION_FAILED = -1  # the status recorded when no connection could be made
 PROBLEM_SAMPLES = 3  # replay lines kept per kind of problem
 
