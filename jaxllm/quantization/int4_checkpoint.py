@@ -104,6 +104,11 @@ def check_int4_layout(config: ModelConfig, quant: QuantizationConfig,
         if n % PER_WORD:
             raise ValueError(f"{name}: {module} has {n} outputs, not a multiple of "
                              f"{PER_WORD} (zero points pack {PER_WORD} columns to a word)")
+        if size > 1 and module in ROW_SPLIT and (k // size) % PER_WORD:
+            raise ValueError(
+                f"--tensor-parallel-size {size}: {module}'s {k} inputs split into "
+                f"{k // size} per device, which cuts its packed words of {PER_WORD} rows "
+                f"({name})")
         if size > 1 and module in ROW_SPLIT and k // g > 1 and (k // size) % g:
             raise ValueError(
                 f"--tensor-parallel-size {size}: {module}'s {k} inputs split into "
