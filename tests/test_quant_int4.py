@@ -147,3 +147,23 @@ def test_act_order_g_idx_is_refused_when_read(tmp_path):
     save_file(tensors, os.path.join(path, "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"o_proj.g_idx is not k // 32 \(act-order"):
         jaxllm.load_model(path, dtype="float32")
+
+
+def test_legacy_autoawq_quant_config_json_is_read_with_the_flag(tmp_path):
+    """Older AutoAWQ checkpoints keep their settings in quant_config.json (w_bit,
+    q_group_size, version "GEMM"); vLLM reads it when --quantization awq is given."""
+    path = write_tiny(tmp_path, "awq")
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    del config["quantization_config"]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with open(os.path.join(path, "quant_config.json"), "w") as f:
+        json.dump({"zero_point": True, "q_group_size": 32, "w_bit": 4, "version": "GEMM"}, f)
+    model = jaxllm.load_model(path, dtype="float32", quantization="awq")
+    assert model.quantization.describe() == "awq (4-bit, group size 32, checkpoint)"
+    with pytest.raises(ValueError, match="--quantization gptq: the checkpoint is quantized "
+                                         "with awq"):
+        with open(os.path.join(path, "quantize_config.json"), "w") as f:
+            json.dump({"quant_method": "awq", "bits": 4, "group_size": 32}, f)
+        jaxllm.load_model(path, quantization="gptq")

@@ -242,6 +242,8 @@ class _Loader:
         config = _read_hf_config(config_path)
         with open(config_path) as f:
             checkpoint_quantization = json.load(f).get("quantization_config")
+        if checkpoint_quantization is None:
+            checkpoint_quantization = self.legacy_quantization_config(path)
         has_tokenizer = any(os.path.exists(os.path.join(path, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = load_hf_tokenizer(path) if has_tokenizer else None
@@ -251,6 +253,17 @@ class _Loader:
         tensors = open_checkpoint(path)
         return self.assembled(name, config, lambda n: tensors[n].get(n), set(tensors), path,
                               tokenizer, checkpoint_quantization)
+
+    def legacy_quantization_config(self, path: str) -> dict | None:
+        """With ``--quantization awq|gptq`` and no ``quantization_config`` in config.json, the
+        older AutoAWQ / AutoGPTQ files beside it, as vLLM reads them."""
+        files = {"awq": ("quant_config.json", "quantize_config.json"),
+                 "gptq": ("quantize_config.json", "quant_config.json")}
+        for file in files.get(self.quantization, ()):
+            if os.path.exists(os.path.join(path, file)):
+                with open(os.path.join(path, file)) as f:
+                    return {"quant_method": self.quantization} | json.load(f)
+        return None
 
     def gguf(self, path: str, name: str) -> LoadedModel:
         from jaxllm.loading.gguf_file import GGUFCheckpoint
