@@ -195,10 +195,7 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     local = threading.local()
 
-    def send_one(item) -> None:
-        case, label, mode, deadline = item
-        if deadline is not None and time.monotonic() > deadline:
-            return
+    def send_one(case, label: str, mode: str) -> None:
         if not hasattr(local, "session"):
             local.session = requests.Session()
         send(case, base_url, local.session, headers, tally, label, mode)
@@ -210,17 +207,31 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
             label = f"{operation.method.upper()} {operation.path}"
             for mode in modes:
                 began = time.monotonic()
+                deadline = None if seconds_per_mode is None else began + seconds_per_mode
+                in_flight: collections.deque = collections.deque()
+
+                def submit(case, label=label, mode=mode, deadline=deadline,
+                           in_flight=in_flight) -> bool:
+                    """Sends ``case`` (a few ahead of the answers); False once time is up."""
+                    if deadline is not None and time.monotonic() > deadline:
+                        return False
+                    in_flight.append(pool.submit(send_one, case, label, mode))
+                    while len(in_flight) > 2 * concurrency:
+                        in_flight.popleft().result()
+                    return True
+
                 if mode == "coverage":  # schemathesis' boundary and type cases, each once
                     cases = list(schema.iter_coverage_cases(
                         operation, generation_modes=list(GenerationMode),
                         generation_config=schema.config.generation_for(operation=operation)))
                     if coverage_limit is not None and len(cases) > coverage_limit:
                         cases = cases[::-(-len(cases) // coverage_limit)]
+                    all(submit(case) for case in cases)
                 else:
-                    cases = generate(operation.as_strategy(GenerationMode(mode)), examples,
-                                     seed)
-                deadline = None if seconds_per_mode is None else began + seconds_per_mode
-                list(pool.map(send_one, [(case, label, mode, deadline) for case in cases]))
+                    generate(operation.as_strategy(GenerationMode(mode)), examples, seed,
+                             submit)
+                for future in in_flight:
+                    future.result()
                 counts = tally.counts[f"{label} [{mode}]"]
                 print(f"{label} [{mode}]: {sum(counts.values())} requests in "
                       f"{time.monotonic() - began:.1f} s: {dict(counts)}", file=sys.stderr,
@@ -259,26 +270,29 @@ def replay(case) -> str:
     return json.dumps(sent, default=repr)[:2000]
 
 
-def generate(strategy, examples: int, seed: int) -> list:
-    """Up to ``examples`` cases drawn by hypothesis from ``seed`` (the same ones every run)."""
+class _TimeUp(Exception):
+    pass
+
+
+def generate(strategy, examples: int, seed: int, take: Callable[[object], bool]) -> None:
+    """Hands ``take`` up to ``examples`` cases drawn by hypothesis from ``seed`` (the same ones
+    every run), until it returns False."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as fixed_seed
     from hypothesis.errors import Unsatisfiable
 
-    cases = []
-
     @fixed_seed(seed)
     @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(case=strategy)
     def draw(case):
-        cases.append(case)
+        if not take(case):
+            raise _TimeUp
 
     try:
         draw()
-    except Unsatisfiable:  # nothing to generate: e.g. negative data for a route without input
-        pass
-    return cases
+    except (_TimeUp, Unsatisfiable):  # Unsatisfiable: nothing to generate (e.g. negative
+        pass                          # data for a route without input)
 
 
 def send(case, base_url: str, session: requests.Session, headers: dict[str, str],

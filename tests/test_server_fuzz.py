@@ -25,7 +25,6 @@ from jaxllm.serve.server import BackgroundServer
 
 from jaxllm import AsyncLLMEngine
 
-pytest.importorskip("schemathesis")
 pytestmark = pytest.mark.slow
 
 KEY = "fuzz-key"
