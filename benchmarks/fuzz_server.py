@@ -187,8 +187,8 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
     """Sends every operation of the server's schema (or those under ``paths``) ``examples``
     generated requests per mode, ``concurrency`` at a time (so the engine batches them).
     ``coverage_limit``: at most this many of an operation's coverage cases, evenly spread
-    over them; ``seconds_per_mode``: stop sending an operation's cases of one mode after this
-    long."""
+    over them; ``seconds_per_mode``: stop sending an operation's positive or negative cases
+    after this long (coverage cases are all sent)."""
     import schemathesis
     from schemathesis import GenerationMode
 
@@ -207,7 +207,8 @@ def fuzz(base_url: str, headers: dict[str, str], examples: int, tally: Tally, *,
             label = f"{operation.method.upper()} {operation.path}"
             for mode in modes:
                 began = time.monotonic()
-                deadline = None if seconds_per_mode is None else began + seconds_per_mode
+                deadline = None if seconds_per_mode is None or mode == "coverage" else (
+                    began + seconds_per_mode)
                 in_flight: collections.deque = collections.deque()
 
                 def submit(case, label=label, mode=mode, deadline=deadline,
@@ -312,6 +313,22 @@ def send(case, base_url: str, session: requests.Session, headers: dict[str, str]
     tally.record(label, mode, status, problems, lambda: replay(case))
 
 
+def warm_up(base_url: str, headers: dict[str, str]) -> None:
+    """Compiles the common step shapes before the clock of any mode starts: a few greedy and
+    sampled completions and chats, four at a time (not counted)."""
+    bodies = [{"prompt": "x " * length, "max_tokens": 2, "temperature": t, "logprobs": lp}
+              for length in (1, 20, 100) for t in (0, 1) for lp in (None, 2)]
+    bodies += [{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": n,
+                "temperature": 1} for n in (1, 2)]
+
+    def post(body: dict) -> None:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        requests.post(base_url + path, headers=headers, json=body, timeout=REQUEST_TIMEOUT)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(post, bodies))
+
+
 def final_checks(base_url: str, headers: dict[str, str], engine_state: Callable[[], dict]
                  ) -> dict:
     """The server still serves (health, a completion) and the engine is idle with every KV
@@ -359,7 +376,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
     p.add_argument("--seconds-per-mode", type=float, default=None,
-                   help="stop sending an operation's cases of one mode after this long")
+                   help="stop sending an operation's positive or negative cases after this "
+                        "long")
     p.add_argument("--coverage-limit", type=int, default=None,
                    help="at most this many coverage cases per operation (default: all)")
     p.add_argument("--out", default=None, help="write the JSON result here too")
@@ -378,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     started = time.monotonic()
     with BackgroundServer(AsyncLLMEngine(llm.engine), config) as server:
+        warm_up(server.url, headers)
         tally = fuzz(server.url, headers, args.examples, Tally(),
                      modes=args.modes.split(","),
                      paths=None if args.paths is None else args.paths.split(","),

@@ -12,6 +12,7 @@ needs n=1, at most one output constraint, ...) are in the descriptions and answe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -80,13 +81,17 @@ def json_body(schema: dict, description: str = "OK") -> dict:
 
 
 # ------------------------------------------------------------------ request schemas
-TOKEN_ID = integer(None, "Below the model's vocabulary size.", minimum=0)
+# A schema's maximum that depends on the served model: set by `limited` from its Limits.
+LIMIT = "x-jaxllm-limit"
+TOKEN_ID = integer(None, "Below the model's vocabulary size.", minimum=0, **{LIMIT: "vocab"})
+# The prompt takes one token at least, so max_tokens stays below the context length.
+MAX_TOKENS = {"minimum": 1, LIMIT: "context"}
 STOP_STRING = string(minLength=1, maxLength=protocol.MAX_STOP_CHARS)
 
 SAMPLING = {
     "n": integer(1, "Samples per prompt, at most the server's --max-num-seqs; 1 when "
-                    "temperature is 0.", minimum=1),
-    "best_of": integer(None, "Accepted only when equal to n.", minimum=1),
+                    "temperature is 0.", minimum=1, **{LIMIT: "seqs"}),
+    "best_of": integer(None, "Accepted only when equal to n.", minimum=1, **{LIMIT: "seqs"}),
     "temperature": number(1.0, "0 samples greedily.", minimum=0),
     "top_p": number(1.0, exclusiveMinimum=0, maximum=1),
     "top_k": integer(0, "0 or -1 turns it off.", minimum=-1, maximum=protocol.MAX_TOP_K),
@@ -144,7 +149,7 @@ def completion_request(model_names: Sequence[str]) -> dict:
                              "lists (not a mix of strings and lists)."}
     return request({
         "prompt": prompt, **common(model_names),
-        "max_tokens": integer(16, minimum=1),
+        "max_tokens": integer(16, **MAX_TOKENS),
         "echo": boolean(False, "Not together with logprobs."),
         "logprobs": integer(None, "Top alternatives per output token.", minimum=0,
                             maximum=MAX_LOGPROBS),
@@ -157,8 +162,8 @@ def chat_request(model_names: Sequence[str]) -> dict:
     return request({
         "messages": array(ref("ChatMessage"), minItems=1), **common(model_names),
         "max_completion_tokens": integer(None, "Default: up to the context length.",
-                                         minimum=1),
-        "max_tokens": integer(None, "Older name of max_completion_tokens.", minimum=1),
+                                         **MAX_TOKENS),
+        "max_tokens": integer(None, "Older name of max_completion_tokens.", **MAX_TOKENS),
         "logprobs": boolean(False),
         "top_logprobs": integer(None, "Needs logprobs=true.", minimum=0, maximum=MAX_LOGPROBS),
         "tools": array(ref("Tool"), maxItems=MAX_TOOLS,
@@ -445,9 +450,37 @@ def embedding_schemas(model_names: Sequence[str]) -> dict:
     }
 
 
-def openapi_document(model_names: Sequence[str], version: str, *, auth: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The served model's limits, which bound some fields: token ids below ``vocab_size``,
+    max_tokens below ``max_model_len``, n and best_of up to ``max_num_seqs``."""
+
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+
+    def maximum(self, kind: str) -> int:
+        return {"vocab": self.vocab_size - 1, "context": self.max_model_len - 1,
+                "seqs": self.max_num_seqs}[kind]
+
+
+def limited(node, limits: Limits | None):
+    """``node`` with each LIMIT mark replaced by its maximum (dropped without limits)."""
+    if isinstance(node, list):
+        return [limited(v, limits) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: limited(v, limits) for k, v in node.items() if k != LIMIT}
+    if LIMIT in node and limits is not None:
+        out["maximum"] = limits.maximum(node[LIMIT])
+    return out
+
+
+def openapi_document(model_names: Sequence[str], version: str, *, auth: bool = False,
+                     limits: Limits | None = None) -> dict:
     """The document for a server serving ``model_names``; ``auth``: it runs with --api-key
-    (without one no route asks for a key, and a fuzzer would flag a declared one)."""
+    (without one no route asks for a key, and a fuzzer would flag a declared one);
+    ``limits``: the served model's, as maxima of the fields they bound."""
     document = {
         "openapi": "3.1.0",
         "info": {"title": "jaxllm", "version": version,
@@ -471,4 +504,4 @@ def openapi_document(model_names: Sequence[str], version: str, *, auth: bool = F
                 for op in methods.values():
                     op["security"] = [{"bearerAuth": []}]
                     op["responses"]["401"] = {"$ref": "#/components/responses/Unauthorized"}
-    return document
+    return limited(document, limits)

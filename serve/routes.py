@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 from jaxllm.serve.errors import APIError, bad_request
 from jaxllm.serve.generation import STATE, check_model, read_json
-from jaxllm.serve.openapi import openapi_document
+from jaxllm.serve.openapi import Limits, openapi_document
 from jaxllm.serve.prompts import render_chat
 from jaxllm.serve.protocol import Fields, GenerationRequest, check_token_ids, parse_messages
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -95,8 +95,10 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def openapi_json(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    limits = Limits(state.max_model_len, state.max_num_seqs, state.vocab_size)
     return web.json_response(openapi_document(state.model_names, jaxllm.__version__,
-                                              auth=state.config.api_key is not None))
+                                              auth=state.config.api_key is not None,
+                                              limits=limits))
 
 
 async def metrics(request: web.Request) -> web.Response:

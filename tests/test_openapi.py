@@ -33,8 +33,10 @@ from jaxllm.sampling_params import SamplingParams
 
 MODEL = "smol"
 KEY = "sekret"
-DOC = openapi.openapi_document([MODEL], jaxllm.__version__, auth=True)
 VOCAB = 1000
+MAX_N = 4
+DOC = openapi.openapi_document([MODEL], jaxllm.__version__, auth=True,
+                               limits=openapi.Limits(256, MAX_N, VOCAB))
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather.",
                                          "parameters": {"type": "object", "properties": {
@@ -57,7 +59,8 @@ def app():
     test, as an aiohttp app runs on one event loop only."""
     config = ServerConfig(api_key=KEY, disable_log_stats=True)
     state = types.SimpleNamespace(model_names=(MODEL,), config=config, memory=None, created=1,
-                                  max_model_len=256, draining=False, engine_alive=True,
+                                  max_model_len=256, max_num_seqs=MAX_N, vocab_size=VOCAB,
+                                  draining=False, engine_alive=True,
                                   metrics=mock.MagicMock(), tokenizer_pool=mock.MagicMock())
     with mock.patch.object(app_module, "ServerState", lambda engine, config: state):
         return app_module.build_app(None, config)
@@ -218,9 +221,9 @@ EMBEDDING_SAMPLES = {
 }
 PARSERS = {  # samples, a minimal body, the parser, the fields it refuses
     "ChatCompletionRequest": (CHAT_SAMPLES, {"messages": USER}, lambda body: parse_chat(
-        body, vocab_size=VOCAB, max_n=4, auto_tools=True), UNSUPPORTED),
+        body, vocab_size=VOCAB, max_n=MAX_N, auto_tools=True), UNSUPPORTED),
     "CompletionRequest": (COMPLETION_SAMPLES, {"prompt": "hi"}, lambda body: parse_completion(
-        body, vocab_size=VOCAB, max_n=4), (*UNSUPPORTED, "use_beam_search")),
+        body, vocab_size=VOCAB, max_n=MAX_N), (*UNSUPPORTED, "use_beam_search")),
     "EmbeddingRequest": (EMBEDDING_SAMPLES, {"input": "hi"}, lambda body: parse_embedding(
         body, vocab_size=VOCAB, pooler=PoolingParams()), ("dimensions", "messages")),
 }
@@ -269,6 +272,8 @@ CHAT_REFUSED = {
     "a reserved template kwarg": {"chat_template_kwargs": {"tokenize": True}},
     "stream as a string": {"stream": "yes"},
     "a seed beyond int64": {"seed": 2**63},
+    "n past --max-num-seqs": {"n": MAX_N + 1, "temperature": 1},
+    "a stop token past the vocabulary": {"stop_token_ids": [VOCAB]},
     # Found by schema fuzzing (tests/test_server_fuzz.py): both were accepted by the parser.
     "a top_k beyond int32": {"top_k": 2**31},
     "a message name that is not a string": {"messages": [{"role": "user", "content": "hi",
