@@ -11,3 +11,8 @@ class ModelLoadError(JaxLLMError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint is readable but uses an architecture, quantization or option we lack."""
+
+
+class OutOfMemoryError(JaxLLMError):
+    """Host or device memory could not be allocated; the message names what was being
+    allocated and the settings that size it."""

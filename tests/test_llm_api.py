@@ -146,7 +146,7 @@ def test_a_failing_step_fails_every_request_and_marks_the_engine_dead(smollm2, m
     def boom(*args, **kwargs):
         raise RuntimeError("device fell over")
 
-    monkeypatch.setattr(llm.engine.runner, "dispatch", boom)
+    monkeypatch.setattr(llm.engine.runner, "launch_forward", boom)
     engine.start()
 
     async def scenario():

@@ -24,6 +24,7 @@ from jaxllm.engine.compile_cache import use_compilation_cache
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
 from jaxllm.engine.kv_sizing import plan_kv_blocks
+from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.model_runner import (
     BANNED_WIDTH,
     LaunchedForward,
@@ -72,18 +73,20 @@ class LLMEngine:
             use_compilation_cache(config.compilation_cache_dir)
         config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
                                                                     jax.default_backend()))
-        if model is None:
-            model = load_model(config.model, dtype=config.dtype, load_format=config.load_format,
-                               seed=config.seed, unroll_layers=config.unroll_layers,
-                               tensor_parallel_size=config.tensor_parallel_size,
-                               quantization=config.quantization)
-        elif model.mesh is not None and config.tensor_parallel_size == 1:
-            # An already sharded model brings its own size.
-            config = config.replace(tensor_parallel_size=model.tensor_parallel_size)
-        # A caller's model keeps its own layout: the engine works on a re-laid-out (and, for
-        # tensor parallelism, sharded) copy.
-        model = model.with_quantization(config.quantization).with_tensor_parallel(
-            config.tensor_parallel_size).with_layer_layout(config.unroll_layers)
+        with out_of_memory_explained("loading the weights"):
+            if model is None:
+                model = load_model(config.model, dtype=config.dtype,
+                                   load_format=config.load_format, seed=config.seed,
+                                   unroll_layers=config.unroll_layers,
+                                   tensor_parallel_size=config.tensor_parallel_size,
+                                   quantization=config.quantization)
+            elif model.mesh is not None and config.tensor_parallel_size == 1:
+                # An already sharded model brings its own size.
+                config = config.replace(tensor_parallel_size=model.tensor_parallel_size)
+            # A caller's model keeps its own layout: the engine works on a re-laid-out (and,
+            # for tensor parallelism, sharded) copy.
+            model = model.with_quantization(config.quantization).with_tensor_parallel(
+                config.tensor_parallel_size).with_layer_layout(config.unroll_layers)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         self.model = model
@@ -118,6 +121,14 @@ class LLMEngine:
         self.config = config.replace(max_model_len=max_model_len,
                                      max_num_batched_tokens=max_batched)
         self.kv_plan = plan
+        # The pools first: an allocation that cannot succeed fails here, before the host's
+        # block lists are built for it.
+        with out_of_memory_explained("allocating the KV cache"):
+            self.runner = ModelRunner(
+                model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
+                num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=max_batched, max_model_len=max_model_len,
+                attention_backend=backend, bucket_table_width=backend == "reference")
         self.block_manager = BlockManager(
             plan.num_gpu_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -127,11 +138,6 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, max_batched, max_model_len,
                             config.scheduling_policy, config.preemption_mode),
             self.block_manager, self._seq_ids.__next__)
-        self.runner = ModelRunner(
-            model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
-            num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-            attention_backend=backend, bucket_table_width=backend == "reference")
         self.eos_token_ids = tuple(model.config.eos_token_ids)
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
@@ -148,7 +154,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self.warm_up_seconds = 0.0
         if not config.enforce_eager:
-            self.warm_up_seconds = self.runner.warm_up(progress)
+            with out_of_memory_explained("compiling the step programs"):
+                self.warm_up_seconds = self.runner.warm_up(progress)
             logger.info("warm-up compiled %d step buckets in %.1f s",
                         len(self.runner.buckets.all_shapes()), self.warm_up_seconds)
 
@@ -223,6 +230,7 @@ class LLMEngine:
         return len(self._groups)
 
     # -------------------------------------------------------------------- step
+    @out_of_memory_explained("running a step")
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the outputs of every request that progressed.
 

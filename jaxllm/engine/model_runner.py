@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxllm.batch import BatchMetadata, SeqChunks, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
+from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.engine.step_programs import ProgramKey, step_programs
 from jaxllm.kv_pool import new_kv_pool
@@ -123,13 +124,18 @@ class ModelRunner:
         # The pool's layout follows the params' (scanned or unrolled layer stack).
         self._new_pool = lambda: new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
                                              unroll_layers=model.unroll_layers, mesh=mesh)
-        self.kv_pool = self._new_pool()
+        # Waited for: dispatch is asynchronous, and an allocation that fails must fail here.
+        self.kv_pool = jax.block_until_ready(self._new_pool())
         self._logits_sharding = None if mesh is None else logits_sharding(mesh, cfg)
         # Executables are compiled against the pool's shapes, also while warm-up frees it.
         self._pool_spec = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.kv_pool)
-        self._host_k: np.ndarray | None = None  # swap pool, allocated on first swap-out
-        self._host_v: np.ndarray | None = None
+        # The swap pool, allocated now as vLLM does (untouched pages cost no host memory), so
+        # that a host that cannot hold it says so at start-up rather than at the first swap.
+        with out_of_memory_explained("allocating the host swap space"):
+            shape = (self.kv_pool.num_layers, num_cpu_blocks, *self.kv_pool.block_shape)
+            self._host_k = np.zeros(shape, self.kv_pool.dtype) if num_cpu_blocks else None
+            self._host_v = np.zeros(shape, self.kv_pool.dtype) if num_cpu_blocks else None
         self.max_rows = self.buckets.batch_sizes[-1]
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
@@ -340,8 +346,5 @@ class ModelRunner:
 
     def _host_pools(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
-            pool = self.kv_pool
-            shape = (pool.num_layers, self.num_cpu_blocks, *pool.block_shape)
-            self._host_k = np.zeros(shape, pool.dtype)
-            self._host_v = np.zeros(shape, pool.dtype)
+            raise ValueError("a swap was scheduled but the engine has no swap space")
         return self._host_k, self._host_v
