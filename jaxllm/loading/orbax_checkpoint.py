@@ -1,0 +1,142 @@
+"""``jaxllm convert``'s checkpoints: a model's params as an orbax checkpoint, already in the
+precision (float, int8, fp8) and layer layout the engine runs, with the config and tokenizer
+beside them, so that loading it is one restore straight into device memory.
+
+Directory layout::
+
+    OUT/jaxllm_checkpoint.json   what was converted: config, dtype, quantization, layout
+    OUT/params/                  the orbax (StandardCheckpointer) pytree of params
+    OUT/tokenizer/               the tokenizer (save_pretrained), when the model has one
+
+Loading never unpickles anything: the params' structure is rebuilt from the recorded config,
+dtype, quantization and layout, and the restore checks every leaf's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.errors import ModelLoadError
+from jaxllm.loading.dummy import param_shapes
+from jaxllm.model_config import ModelConfig, RopeScaling
+from jaxllm.models.llama import unstack_layer_params
+from jaxllm.quantization import QuantizationConfig, quantize_leaf
+
+METADATA_FILE = "jaxllm_checkpoint.json"
+FORMAT_VERSION = 1
+
+
+def is_converted_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, METADATA_FILE))
+
+
+def save_converted(model: Any, out: str) -> None:
+    """Writes ``model`` (a one-device :class:`~jaxllm.loading.LoadedModel`) to ``out``, which
+    must not exist or be empty."""
+    import orbax.checkpoint as ocp
+
+    if model.mesh is not None:
+        raise ValueError("convert writes one-device checkpoints: load the source with "
+                         "tensor_parallel_size 1 (the converted checkpoint loads at any size)")
+    if model.quantization is not None and model.quantization.from_checkpoint:
+        raise ValueError(f"convert of {model.quantization.describe()} checkpoints is not "
+                         "supported yet: serve the checkpoint itself")
+    out = os.path.abspath(out)
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ValueError(f"{out} exists and is not an empty directory: convert never "
+                         "overwrites")
+    os.makedirs(out, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.join(out, "params"), model.params)
+    checkpointer.wait_until_finished()
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
+    metadata = {
+        "format_version": FORMAT_VERSION, "name": model.name,
+        "config": dataclasses.asdict(model.config), "dtype": jnp.dtype(model.dtype).name,
+        "quantization": (dataclasses.asdict(model.quantization)
+                         if model.quantization is not None else None),
+        "unroll_layers": model.unroll_layers,
+    }
+    with open(os.path.join(out, METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertedCheckpoint:
+    """What a converted checkpoint holds, read from its metadata file."""
+
+    path: str
+    name: str
+    config: ModelConfig
+    dtype: Any
+    quantization: QuantizationConfig | None
+    unroll_layers: bool
+
+    @classmethod
+    def open(cls, path: str) -> ConvertedCheckpoint:
+        try:
+            with open(os.path.join(path, METADATA_FILE)) as f:
+                meta = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{path}: cannot read {METADATA_FILE} ({e})") from None
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ModelLoadError(f"{path}: checkpoint format {meta.get('format_version')!r}; "
+                                 f"this jaxllm reads format {FORMAT_VERSION}")
+        config = dict(meta["config"])
+        config["rope_scaling"] = RopeScaling(**config["rope_scaling"])
+        config["eos_token_ids"] = tuple(config["eos_token_ids"])
+        quantization = meta["quantization"]
+        return cls(path, meta["name"], ModelConfig(**config), jnp.dtype(meta["dtype"]),
+                   QuantizationConfig(**quantization) if quantization else None,
+                   bool(meta["unroll_layers"]))
+
+    def check_request(self, dtype: Any | None, quantization: str | None) -> None:
+        """A converted checkpoint loads as it was converted: another ``dtype`` (None: auto)
+        or quantization is refused (convert again) rather than silently ignored."""
+        if dtype is not None and jnp.dtype(dtype) != self.dtype:
+            raise ValueError(f"{self.path} was converted with dtype {self.dtype.name}: load it "
+                             f"with dtype auto, or convert again with --dtype "
+                             f"{jnp.dtype(dtype).name}")
+        method = self.quantization.method if self.quantization else None
+        if quantization is not None and quantization != method:
+            raise ValueError(f"{self.path} was converted with quantization {method}: load it "
+                             f"without --quantization, or convert again with --quantization "
+                             f"{quantization}")
+
+    def abstract_params(self) -> Any:
+        """The params' pytree of ShapeDtypeStructs (one device), as saved."""
+        shapes = param_shapes(self.config, self.dtype)
+        quantization = self.quantization
+
+        def build(shapes):
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, x: quantize_leaf(path, x, quantization), shapes)
+            return unstack_layer_params(params) if self.unroll_layers else params
+
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                            jax.eval_shape(build, shapes))
+
+    def restore_params(self) -> Any:
+        import orbax.checkpoint as ocp
+
+        try:
+            return ocp.StandardCheckpointer().restore(os.path.join(self.path, "params"),
+                                                      self.abstract_params())
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            raise ModelLoadError(f"{self.path}: its params do not match its metadata ({e})") \
+                from None
+
+    def tokenizer(self) -> Any:
+        from jaxllm.loading.tokenizer import load_hf_tokenizer
+
+        path = os.path.join(self.path, "tokenizer")
+        return load_hf_tokenizer(path) if os.path.isdir(path) else None
+

@@ -1,0 +1,88 @@
+"""``jaxllm convert``: a model written as an orbax checkpoint in the engine's precision and
+layout loads back bit for bit (the same logits as loading the source with the same settings),
+in either layer layout, and through the engine; what cannot be honoured is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from test_loading import TINY_DIR, reference
+from tiny_models import PagedRunner
+
+import jaxllm
+from jaxllm import ModelLoadError, SamplingParams
+from jaxllm.cli import main as cli_main
+from jaxllm.loading.orbax_checkpoint import METADATA_FILE
+
+SOURCE = os.path.join(TINY_DIR, "llama3_rope_scaling")
+
+
+def logits(model):
+    ids = reference("llama3_rope_scaling")["input_ids"].tolist()
+    params = model.with_layer_layout(False).params
+    return np.asarray(PagedRunner(model.config, params, block_size=8).run(
+        ids, [len(ids)], list(range(1, 1 + len(ids) // 8 + 1))))
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_convert_then_load_gives_the_logits_of_the_source(tmp_path, capsys, quantization):
+    out = str(tmp_path / "converted")
+    flags = ["-q", quantization] if quantization else []
+    assert cli_main(["convert", SOURCE, out, "--dtype", "float32", "--no-unroll-layers",
+                     *flags]) == 0
+    assert "serve it with `jaxllm serve" in capsys.readouterr().out
+    meta = json.load(open(os.path.join(out, METADATA_FILE)))
+    assert meta["dtype"] == "float32" and meta["unroll_layers"] is False
+    source = jaxllm.load_model(SOURCE, dtype="float32", quantization=quantization)
+    converted = jaxllm.load_model(out)
+    assert converted.config == source.config
+    assert (converted.quantization is None) == (quantization is None)
+    for a, b in zip(jax.tree.leaves(converted.params), jax.tree.leaves(source.params),
+                    strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(logits(converted), logits(source))
+    # The other layer layout, and --load-format orbax named explicitly: the same values.
+    per_layer = jaxllm.load_model(out, load_format="orbax", unroll_layers=True)
+    assert per_layer.unroll_layers
+    np.testing.assert_array_equal(logits(per_layer), logits(source))
+
+
+def test_the_engine_serves_a_converted_checkpoint(tmp_path):
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", SOURCE, out, "--dtype", "float32"]) == 0
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    args = dict(max_num_seqs=4, max_model_len=64, enforce_eager=True,
+                compilation_cache_dir=None, progress=False)
+    ran = {}
+    for name, model in (("source", SOURCE), ("converted", out)):
+        llm = jaxllm.LLM(model, dtype="float32", **args)
+        ran[name] = [o.outputs[0].token_ids for o in llm.generate(
+            prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+    assert ran["converted"] == ran["source"]
+
+
+def test_what_a_converted_checkpoint_cannot_honour_is_refused(tmp_path, capsys):
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", SOURCE, out, "--dtype", "float32", "-q", "int8"]) == 0
+    with pytest.raises(ValueError, match="converted with dtype float32: load it with dtype "
+                                         "auto, or convert again with --dtype bfloat16"):
+        jaxllm.load_model(out, dtype="bfloat16")
+    with pytest.raises(ValueError, match="converted with quantization int8"):
+        jaxllm.load_model(out, quantization="fp8")
+    # Never over an existing checkpoint; a directory without the metadata is not one.
+    assert cli_main(["convert", SOURCE, out]) == 2
+    assert "exists and is not an empty directory: convert never overwrites" in \
+        capsys.readouterr().err
+    with pytest.raises(ModelLoadError, match="not a `jaxllm convert` checkpoint"):
+        jaxllm.load_model(SOURCE, load_format="orbax")
+    meta_path = os.path.join(out, METADATA_FILE)
+    meta = json.load(open(meta_path))
+    meta["config"]["hidden_size"] *= 2  # the params no longer match what the metadata says
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(ModelLoadError, match="its params do not match its metadata"):
+        jaxllm.load_model(out)
