@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import pytest
 from conftest import SMOLLM2_ENGINE_ARGS
 from reference.make_awq_smollm2 import write_smollm2
-from test_quantization import PROMPTS, TEXT, _perplexity
+from test_quantization import PROMPTS, TEXT, TEXT_TOKENS, _perplexity
 
 import jaxllm
 from jaxllm.layers.linear import Int4Weight
 
 GROUP = 64  # SmolLM2's hidden size 576 is no multiple of 128 (see make_awq_smollm2.py)
-TOKENS = 256  # of the text: a forward of the whole text (462 tokens) takes ~13 s on 2 cores
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,7 @@ def test_smollm2_awq_int4_keeps_perplexity(smollm2, awq_smollm2):
     assert isinstance(kernel, Int4Weight) and kernel.qweight.dtype == jnp.int32
     assert awq_smollm2.quantization.describe() == "awq (4-bit, group size 64, checkpoint)"
     with open(TEXT) as f:
-        ids = smollm2.tokenizer(f.read())["input_ids"][:TOKENS]
+        ids = smollm2.tokenizer(f.read())["input_ids"][:TEXT_TOKENS]
     base, awq = _perplexity(smollm2, ids), _perplexity(awq_smollm2, ids)
     # Measured on these 256 tokens 18.75 -> 20.95 (+11.7%; the whole text, RESULTS.md:
     # 16.70 -> 18.71, +12.0%). The engine's int4 path gives the perplexity of the same

@@ -22,6 +22,9 @@ from jaxllm.quantization import resolve_quantization
 
 HERE = os.path.dirname(__file__)
 TEXT = os.path.join(HERE, "fixtures", "text", "pride_and_prejudice_ch1.txt")
+# Perplexities are taken over the text's first 256 tokens: a forward of all of it (462)
+# takes about twice as long on 2 cores, and the ratios below move by < 0.2 points.
+TEXT_TOKENS = 256
 TINY_QWEN = os.path.join(HERE, "fixtures", "tiny", "qwen2_bias")
 # Greedy-token prompts for the quantized SmolLM2 tests (here and test_quant_smollm2.py).
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
@@ -79,16 +82,16 @@ def test_smollm2_int8_keeps_perplexity_and_greedy_tokens(smollm2):
     assert isinstance(kernel, Int8Weight) and kernel.q.dtype == jnp.int8
     assert int8.params["embed_tokens"]["embedding"].dtype == jnp.float32  # not quantized
     with open(TEXT) as f:
-        ids = smollm2.tokenizer(f.read())["input_ids"]
-    assert len(ids) > 400
+        ids = smollm2.tokenizer(f.read())["input_ids"][:TEXT_TOKENS]
+    assert len(ids) == TEXT_TOKENS
     base, quantized = _perplexity(smollm2, ids), _perplexity(int8, ids)
     # Per-channel int8 moves each weight by at most half of 1/127 of its column's largest
     # value; on a model this small that costs well under 2% perplexity (measured: see the
     # assertion message). 3% leaves room for the platform's float differences, not for a
     # broken scale or layout (which cost orders of magnitude).
     assert quantized / base < 1.03, (base, quantized)
-    # FP8 W8A8 rounds weights and activations to 3 mantissa bits: 16.70 -> 17.06 (+2.2%)
-    # measured on this text.
+    # FP8 W8A8 rounds weights and activations to 3 mantissa bits: 18.75 -> 19.18 (+2.3%)
+    # measured on these tokens (the whole text: 16.70 -> 17.06, +2.2%); int8 18.75 -> 18.65.
     fp8 = _perplexity(smollm2.with_quantization("fp8"), ids)
     assert fp8 / base < 1.05, (base, fp8)
     params = jaxllm.SamplingParams(temperature=0, max_tokens=6)
