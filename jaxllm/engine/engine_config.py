@@ -92,6 +92,23 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def resolve_limits(config: EngineConfig, model_len: int, platform: str) -> EngineConfig:
+    """``config`` with its sequence and batch limits made concrete: the model's context length
+    unless less is asked, and vLLM's defaults for the platform (smaller on CPU)."""
+    max_model_len = config.max_model_len or model_len
+    if max_model_len > model_len:
+        raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than "
+                         f"the derived max_model_len ({model_len}) of the model")
+    on_cpu = platform == "cpu"
+    max_batched = config.max_num_batched_tokens or (512 if on_cpu else 2048)
+    max_num_seqs = config.max_num_seqs or min(32 if on_cpu else 256, max_batched)
+    if max_batched < max_num_seqs:
+        raise ValueError(f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
+                         f"({max_num_seqs})")
+    return config.replace(max_model_len=max_model_len, max_num_batched_tokens=max_batched,
+                          max_num_seqs=max_num_seqs)
+
+
 def resolve_unroll_layers(setting: bool | None, platform: str) -> bool:
     """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only."""
     return platform == "gpu" if setting is None else setting

@@ -22,7 +22,12 @@ from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.compile_cache import use_compilation_cache
 from jaxllm.engine.embeddings import EmbeddingRequests
-from jaxllm.engine.engine_config import EngineConfig, SchedulerConfig, resolve_unroll_layers
+from jaxllm.engine.engine_config import (
+    EngineConfig,
+    SchedulerConfig,
+    resolve_limits,
+    resolve_unroll_layers,
+)
 from jaxllm.engine.kv_sizing import plan_kv_blocks
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.model_runner import (
@@ -64,6 +69,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None,
                  *, progress: bool = True):
         config = config or EngineConfig()
+        start = time.perf_counter()
         if config.enforce_eager:
             # The analogue of disabling CUDA graphs; only effective before the backend starts.
             flags = os.environ.get("XLA_FLAGS", "")
@@ -89,20 +95,12 @@ class LLMEngine:
                 config.tensor_parallel_size).with_layer_layout(config.unroll_layers)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
+        loaded = time.perf_counter()
         self.model = model
         self.tokenizer = model.tokenizer
-        model_len = model.config.max_position_embeddings
-        max_model_len = config.max_model_len or model_len
-        if max_model_len > model_len:
-            raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than "
-                             f"the derived max_model_len ({model_len}) of the model")
-        on_cpu = jax.default_backend() == "cpu"
-        max_batched = config.max_num_batched_tokens or (512 if on_cpu else 2048)
-        max_num_seqs = config.max_num_seqs or min(32 if on_cpu else 256, max_batched)
-        if max_batched < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
-                             f"({max_num_seqs})")
-        config = config.replace(max_num_seqs=max_num_seqs)
+        config = resolve_limits(config, model.config.max_position_embeddings,
+                                jax.default_backend())
+        max_model_len, max_batched = config.max_model_len, config.max_num_batched_tokens
         backend = resolve_backend(config.attention_backend)
         plan = plan_kv_blocks(
             model, block_size=config.block_size,
@@ -118,8 +116,7 @@ class LLMEngine:
                 f"The model's max seq len ({max_model_len}) is larger than the maximum number "
                 f"of tokens that can be stored in KV cache ({fits}). Try increasing "
                 "gpu_memory_utilization or decreasing max_model_len.")
-        self.config = config.replace(max_model_len=max_model_len,
-                                     max_num_batched_tokens=max_batched)
+        self.config = config
         self.kv_plan = plan
         # The pools first: an allocation that cannot succeed fails here, before the host's
         # block lists are built for it.
@@ -129,6 +126,7 @@ class LLMEngine:
                 num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                 attention_backend=backend, bucket_table_width=backend == "reference")
+        allocated = time.perf_counter()
         self.block_manager = BlockManager(
             plan.num_gpu_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -156,8 +154,13 @@ class LLMEngine:
         if not config.enforce_eager:
             with out_of_memory_explained("compiling the step programs"):
                 self.warm_up_seconds = self.runner.warm_up(progress)
-            logger.info("warm-up compiled %d step buckets in %.1f s",
-                        len(self.runner.buckets.all_shapes()), self.warm_up_seconds)
+        # Where start-up time goes (issue 16's warm restart), for the log and the benchmarks.
+        self.startup_seconds = {"weights": loaded - start, "kv_cache": allocated - loaded,
+                                "warm_up": self.warm_up_seconds}
+        logger.info("engine ready in %.1f s: weights %.1f s, KV cache and plan %.1f s, warm-up "
+                    "(%d step buckets: compiled or read from the compile cache) %.1f s",
+                    time.perf_counter() - start, loaded - start, allocated - loaded,
+                    len(self.runner.buckets.all_shapes()), self.warm_up_seconds)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None = None,
