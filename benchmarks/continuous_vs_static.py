@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import time
@@ -26,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxllm.benchmarks.metrics import check_output_tokens
-from jaxllm.benchmarks.provenance import source_commit
+from jaxllm.benchmarks.provenance import source_commit, write_json
 
 import jaxllm
 from jaxllm.engine.engine_config import EngineConfig
@@ -140,9 +139,7 @@ def main() -> None:
         "continuous": {"seconds": cont_s, "output_tokens_per_s": useful / cont_s, **cont},
         "speedup": static_s / cont_s,
     }
-    os.makedirs(os.path.dirname(args.output_json), exist_ok=True)
-    with open(args.output_json, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(result, args.output_json)
     print(f"{'':12}{'seconds':>10}{'out tok/s':>12}")
     print(f"{'static':12}{static_s:10.2f}{useful / static_s:12.1f}")
     print(f"{'continuous':12}{cont_s:10.2f}{useful / cont_s:12.1f}")

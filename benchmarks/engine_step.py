@@ -24,7 +24,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jaxllm.benchmarks.provenance import source_commit
+from jaxllm.benchmarks.provenance import source_commit, write_json
 
 import jaxllm  # noqa: E402
 from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -99,10 +99,7 @@ def main() -> None:
           f"{result['prepare_ms']:.2f} + update {result['update_ms']:.2f} (critical path), "
           f"output {result['output_ms']:.2f} (overlapped), device wait "
           f"{result['device_wait_ms']:.2f}")
-    if args.output_json:
-        os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=2)
+    write_json(record, args.output_json)
 
 
 if __name__ == "__main__":

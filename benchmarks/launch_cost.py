@@ -26,7 +26,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jaxllm.benchmarks.provenance import source_commit  # noqa: E402
+from jaxllm.benchmarks.provenance import source_commit, write_json  # noqa: E402
 
 import jaxllm  # noqa: E402
 from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
@@ -123,10 +123,7 @@ def main() -> None:
           f"call {result['forward_call_ms']:.2f} ms, sampler call {result['sampler_call_ms']:.2f}"
           f" ms, host critical path {result['host_critical_path_ms']:.2f} ms, device wait "
           f"{result['device_wait_ms']:.2f} ms")
-    if args.output_json:
-        os.makedirs(os.path.dirname(args.output_json) or ".", exist_ok=True)
-        with open(args.output_json, "w") as f:
-            json.dump(record, f, indent=2)
+    write_json(record, args.output_json)
 
 
 if __name__ == "__main__":

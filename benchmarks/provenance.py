@@ -1,7 +1,8 @@
-"""Which source a benchmark ran: recorded in every result JSON."""
+"""Which source a benchmark ran, recorded in every result JSON, and writing that JSON."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 
@@ -17,3 +18,12 @@ def source_commit() -> str:
     proc = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"],
                           capture_output=True, text=True, cwd=_ROOT)
     return proc.stdout.strip() or "unknown"
+
+
+def write_json(record: dict, path: str | None) -> None:
+    """Writes a benchmark's result record to ``path`` (its folder made as needed); None: no
+    file."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(record, f, indent=2)
