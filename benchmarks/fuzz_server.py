@@ -133,10 +133,11 @@ class Tally:
                 replay: Callable[[], str]) -> None:
         self.counts[f"{label} [{mode}]"][outcome(status)] += 1
         for problem in problems:
-            kind = f"{label}: {problem.splitlines()[0][:160]}"
+            first, _, detail = problem.partition("\n")
+            kind = f"{label}: {first[:160]}"
             self.problem_counts[kind] += 1
             if len(self.problems[kind]) < PROBLEM_SAMPLES:
-                self.problems[kind].append(replay())
+                self.problems[kind].append(replay() + (f" -> {detail}" if detail else ""))
 
     def as_json(self) -> dict:
         return {"requests": {k: dict(sorted(v.items())) for k, v in sorted(self.counts.items())},
@@ -174,7 +175,9 @@ def check(case, response, status: int | None) -> list[str]:
             openapi_checks.response_headers_conformance,
             openapi_checks.response_schema_conformance])
     except FailureGroup as group:
-        problems.extend(f"{type(e).__name__}: {e.title}" for e in group.exceptions)
+        # the title names the kind of problem; the message (its detail) goes with the samples
+        problems.extend(f"{type(e).__name__}: {e.title}\n{' '.join(e.message.split())[:300]}"
+                        for e in group.exceptions)
     except AssertionError as e:
         problems.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return problems

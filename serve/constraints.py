@@ -65,6 +65,9 @@ def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
         raise bad_request("only one output constraint may be given, got "
                           f"{', '.join(name for name, _ in found)}", found[1][0])
     name, value = found[0]
+    if value.get("choice") is not None and not isinstance(value["choice"], list):
+        # a string would pass as the list of its characters
+        raise bad_request(f"{name}: choice must be a non-empty list of non-empty strings", name)
     if name in GUIDED_FIELDS and name != "guided_choice" and name != "guided_json" \
             and not isinstance(value[GUIDED_FIELDS[name]], str):
         raise bad_request(f"{name} must be a string", name)

@@ -181,8 +181,12 @@ def parse_chat(body: Any, *, vocab_size: int, max_n: int,
     if top and not want_logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     max_tokens = f.int("max_completion_tokens", None)
+    legacy_max_tokens = f.int("max_tokens", None)  # checked even when the newer name wins
     if max_tokens is None:
-        max_tokens = f.int("max_tokens", None)
+        max_tokens = legacy_max_tokens
+    elif legacy_max_tokens is not None and legacy_max_tokens < 1:
+        raise bad_request(f"max_tokens must be at least 1, got {legacy_max_tokens}",
+                          "max_tokens")
     kwargs = f.object("chat_template_kwargs")
     if any(not isinstance(k, str) or k in RESERVED_TEMPLATE_KWARGS for k in kwargs) or any(
             not isinstance(v, (str, int, float, bool)) for v in kwargs.values()):

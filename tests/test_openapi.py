@@ -280,6 +280,14 @@ CHAT_REFUSED = {
                                                           "name": 3}]},
     "a tool call id that is not a string": {"messages": [{"role": "assistant", "tool_calls": [
         {"id": {}, "function": {"name": "f", "arguments": "{}"}}]}]},
+    # Found by the long fuzz run: max_tokens went unchecked beside max_completion_tokens, and
+    # a guided_choice string was read as the list of its characters.
+    "max_tokens of 0 beside max_completion_tokens": {"max_tokens": 0,
+                                                     "max_completion_tokens": 2},
+    "max_tokens as a string beside max_completion_tokens": {"max_tokens": "",
+                                                            "max_completion_tokens": 2},
+    "guided_choice as a string": {"guided_choice": "yes"},
+    "structured_outputs.choice as a string": {"structured_outputs": {"choice": "yes"}},
     "tool calls that are not a list": {"messages": [{"role": "assistant", "tool_calls": 0}]},
     "a tool call of another type": {"messages": [{"role": "assistant", "tool_calls": [
         {"type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},
