@@ -32,9 +32,9 @@ HEADERS = {"Authorization": f"Bearer {KEY}"}
 # Requests per operation and generation mode, on top of schemathesis' boundary cases (all of
 # them for the small routes, an even spread of COVERAGE_LIMIT for the generation routes, which
 # cost a prefill and two decode steps each).
-EXAMPLES = 12
+EXAMPLES = 10
 CHEAP_EXAMPLES = 40
-COVERAGE_LIMIT = 60
+COVERAGE_LIMIT = 40
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 CHEAP = ("/tokenize", "/detokenize", "/v1/models", "/v1/models/{model}", "/health", "/live",
          "/version", "/metrics")  # schemathesis leaves out /openapi.json, the schema itself
