@@ -1,18 +1,22 @@
 """Schema fuzzing of a live ``jaxllm serve`` with schemathesis (issue 20's long run).
 
-    python -m jaxllm.benchmarks.fuzz_server --examples 3000 --out fuzz.json
+    python -m jaxllm.benchmarks.fuzz_server --examples 3000 --seconds-per-mode 75 \\
+        --out fuzz.json
 
 Starts a server of the embedded SmolLM2 model on 127.0.0.1 (in this process, with an API key),
-reads its ``/openapi.json`` and sends every operation ``--examples`` generated requests per
-generation mode: positive (bodies the schema accepts) and negative (bodies it refuses). Each
-response is checked (:func:`check`): no 5xx and no timeout, every non-2xx body an OpenAI error
-body with the status as its ``code``, a stream ending in ``data: [DONE]``, and schemathesis'
-conformance checks (status code, content type, headers and body as documented; negative data
-refused with a 4xx). Afterwards the server must still answer ``/health`` and a completion, with
-no request in the engine and every KV block free. Prints and writes JSON: requests per
-operation and mode, the outcome classes (``2xx``, ``4xx`` by status, ``5xx``, ``timeout``),
-the problems found (the first few of each kind, with a curl line to replay them) and the
-final checks. Exit status 1 when a problem was found.
+sends a few warm-up requests (compiles, not counted), reads its ``/openapi.json`` and sends
+every operation, four at a time, three kinds of cases: schemathesis' coverage cases (boundary
+values, wrong types, missing fields, unexpected methods), then up to ``--examples``
+hypothesis-drawn cases per mode from a fixed seed: positive (bodies the schema accepts) and
+negative (bodies it refuses). Each response is checked (:func:`check`): no 5xx and no
+timeout, every non-2xx body an OpenAI error body with the status as its ``code``, a stream
+ending in ``data: [DONE]``, no 2xx for a body the schema refuses, and schemathesis'
+conformance checks (status code, content type, headers and body as documented). Afterwards
+the server must still answer ``/health`` and a completion, with no request in the engine and
+every KV block free. Prints and writes JSON: requests per operation and mode, the outcome
+classes (``2xx``, each 4xx status, ``5xx:<status>``, ``timeout``), the problems found (the
+first few of each kind, with the request to replay) and the final checks. Exit status 1 when
+a problem was found.
 
 Generation stays cheap on CPU: :func:`cap` keeps ``max_tokens`` at :data:`MAX_TOKENS` (set when
 absent: chat would otherwise run to the context length) and ``n`` at 2, so the budget goes to
