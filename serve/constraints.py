@@ -38,6 +38,10 @@ def structured_outputs(f: Fields) -> tuple[str, StructuredOutputsParams] | None:
         if not isinstance(spec, dict):
             raise bad_request("response_format.json_schema must be an object with a 'schema'",
                               "response_format")
+        for key, kind in (("name", str), ("description", str), ("strict", bool)):
+            if spec.get(key) is not None and not isinstance(spec[key], kind):
+                raise bad_request(f"response_format.json_schema.{key} must be a "
+                                  f"{'string' if kind is str else 'boolean'}", "response_format")
         schema = spec.get("schema", spec.get("json_schema"))
         if schema is None:
             found.append(("response_format", {"json_object": True}))

@@ -231,7 +231,8 @@ def constraint_schemas() -> dict:
     exactly_one = [{"required": [k], "properties": {k: {"not": {"type": "null"}}}}
                    for k in kinds] + [{"required": ["json_object"],
                                        "properties": {"json_object": {"const": True}}}]
-    json_schema = obj({"name": string(), "description": string(), "strict": boolean(False),
+    json_schema = obj({"name": nullable(string()), "description": nullable(string()),
+                       "strict": nullable(boolean(False)),
                        "schema": nullable({"type": "object", "description": "Absent: any "
                                            "JSON object."})})
     return {

@@ -288,6 +288,13 @@ CHAT_REFUSED = {
                                                             "max_completion_tokens": 2},
     "guided_choice as a string": {"guided_choice": "yes"},
     "structured_outputs.choice as a string": {"structured_outputs": {"choice": "yes"}},
+    # Found by long run 2: the json_schema's name, description and strict went unchecked.
+    "a json_schema name that is not a string": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": False, "schema": {"type": "object"}}}},
+    "a json_schema description that is not a string": {"response_format": {
+        "type": "json_schema", "json_schema": {"description": [0]}}},
+    "a json_schema strict that is not a boolean": {"response_format": {
+        "type": "json_schema", "json_schema": {"strict": "yes"}}},
     "tool calls that are not a list": {"messages": [{"role": "assistant", "tool_calls": 0}]},
     "a tool call of another type": {"messages": [{"role": "assistant", "tool_calls": [
         {"type": "custom", "function": {"name": "f", "arguments": "{}"}}]}]},
