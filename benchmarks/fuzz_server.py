@@ -3,7 +3,8 @@
     python -m jaxllm.benchmarks.fuzz_server --examples 3000 --seconds-per-mode 75 \\
         --out fuzz.json
 
-Starts a server of the embedded SmolLM2 model on 127.0.0.1 (in this process, with an API key),
+Starts a server of the embedded SmolLM2 model on 127.0.0.1 (``jaxllm serve`` in its own process:
+benchmarks never import the server; with an API key),
 sends a few warm-up requests (compiles, not counted), reads its ``/openapi.json`` and sends
 every operation, four at a time, three kinds of cases: schemathesis' coverage cases (boundary
 values, wrong types, missing fields, unexpected methods), then up to ``--examples``
@@ -30,6 +31,8 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -390,26 +393,61 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the JSON result here too")
 
 
+def metrics_state_reader(base_url: str) -> Callable[[], dict]:
+    """The engine's state as a server in another process reports it (``/metrics``)."""
+    def read() -> dict:
+        text = requests.get(base_url + "/metrics", timeout=30).text
+        value = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+                 for line in text.splitlines() if line.startswith("jaxllm:")}
+        return {"unfinished": value["jaxllm:num_requests_running"]
+                + value["jaxllm:num_requests_waiting"] > 0,
+                "free_blocks": int(value["jaxllm:num_free_gpu_blocks"]),
+                "usable_blocks": ENGINE_ARGS["num_gpu_blocks_override"] - 1}
+
+    return read
+
+
+def start_server(port: int) -> subprocess.Popen:
+    """``jaxllm serve`` of the embedded model in its own process (benchmarks never import the
+    server), with the tests' engine limits; returns once it answers /health."""
+    flags = [f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
+             for name, value in ENGINE_ARGS.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--host", "127.0.0.1",
+                             "--port", str(port), "--dtype", "float32", "--api-key", API_KEY,
+                             "--served-model-name", "smollm2", "alias", "--disable-log-stats",
+                             *flags])
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return proc
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"jaxllm serve did not become healthy (exit code {proc.poll()})")
+
+
 def run(args: argparse.Namespace) -> int:
-    from jaxllm.serve.args import ServerConfig
-    from jaxllm.serve.server import BackgroundServer
-
-    import jaxllm
-    from jaxllm import AsyncLLMEngine
-
-    llm = jaxllm.LLM(jaxllm.load_model(None, dtype="float32"), progress=False, **ENGINE_ARGS)
-    config = ServerConfig(host="127.0.0.1", port=0, served_model_name=("smollm2", "alias"),
-                          api_key=API_KEY, disable_log_requests=True, disable_log_stats=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     headers = {"Authorization": f"Bearer {API_KEY}"}
     started = time.monotonic()
-    with BackgroundServer(AsyncLLMEngine(llm.engine), config) as server:
-        warm_up(server.url, headers)
-        tally = fuzz(server.url, headers, args.examples, Tally(),
+    server = start_server(port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        warm_up(url, headers)
+        tally = fuzz(url, headers, args.examples, Tally(),
                      modes=args.modes.split(","),
                      paths=None if args.paths is None else args.paths.split(","),
                      seed=args.seed, concurrency=args.concurrency,
                      coverage_limit=args.coverage_limit, seconds_per_mode=args.seconds_per_mode)
-        final = final_checks(server.url, headers, engine_state_reader(server))
+        final = final_checks(url, headers, metrics_state_reader(url))
+    finally:
+        server.terminate()
+        final_exit = server.wait(timeout=120)
+    final["server_exit_code"] = final_exit
     result = {"commit": source_commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                time.gmtime()),
               "examples_per_operation_and_mode": args.examples, "seed": args.seed,

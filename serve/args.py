@@ -149,7 +149,7 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
     engine.add_argument("--load-format", default="auto",
-                        choices=["auto", "safetensors", "gguf", "dummy"])
+                        choices=["auto", "safetensors", "gguf", "dummy", "orbax"])
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--block-size", type=int, default=16, choices=list(BLOCK_SIZES))
     engine.add_argument("--max-num-seqs", type=int, default=None,
@@ -175,8 +175,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     engine.add_argument("--quantization", "-q", default=None,
                         help="int8 (weight-only) or fp8 (W8A8, dynamic per-token activation "
-                        "scales), quantized at load time; 'gguf' for a .gguf "
-                        "model (dequantized at load); None: as the checkpoint is")
+                        "scales), quantized at load time; awq or gptq: a 4-bit checkpoint's "
+                        "own; 'gguf' for a .gguf model (dequantized at load); None: as the "
+                        "checkpoint is")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices (attention heads, "
                         "MLP and vocabulary split; the KV cache split by KV head)")
@@ -201,11 +202,11 @@ def configs_from_args(args: argparse.Namespace,
             raise ValueError("--quantization=gguf is not supported for this model: it names a "
                              "GGUF file's own quantization (dequantized at load)")
         quantization = None
-    elif quantization not in (None, "int8", "fp8"):
+    elif quantization not in (None, "int8", "fp8", "awq", "gptq"):
         raise ValueError(
             f"--quantization={quantization} is not supported yet: jaxllm quantizes weights "
-            "with int8 or fp8 at load time (awq, gptq and fp8 checkpoints are refused with a "
-            "reason)")
+            "with int8 or fp8 at load time and reads 4-bit awq and gptq checkpoints (fp8 "
+            "checkpoints are refused with a reason)")
     engine = EngineConfig(
         model=model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
