@@ -33,18 +33,24 @@ PHASES = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_secon
           "device_wait_seconds")
 
 
-def run_round(engine: LLMEngine, args, tag: str) -> dict:
+def prefill_batch(engine: LLMEngine, tag: str, batch: int, input_len: int, output_len: int,
+                  temperature: float = 0.0) -> None:
+    """Adds ``batch`` requests of random prompt ids (EOS ignored) and steps until every one
+    is decoding, so that what is timed next is decode steps only."""
     rng = np.random.default_rng(0)
     vocab = engine.model.config.vocab_size
-    for i in range(args.batch):
+    for i in range(batch):
         engine.add_request(f"{tag}{i}", prompt_token_ids=rng.integers(
-            10, vocab - 10, args.input_len).tolist(), params=SamplingParams(
-            temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True))
-    # Prefill until every request is decoding, then time the decode steps only.
+            10, vocab - 10, input_len).tolist(), params=SamplingParams(
+            temperature=temperature, max_tokens=output_len, ignore_eos=True))
     while engine.scheduler.waiting or any(
             s.num_computed_tokens < s.num_prompt_tokens
             for g in engine.scheduler.running for s in g.seqs):
         engine.step()
+
+
+def run_round(engine: LLMEngine, args, tag: str) -> dict:
+    prefill_batch(engine, tag, args.batch, args.input_len, args.output_len, args.temperature)
     stats = engine.stats
     before = {p: getattr(stats, p) for p in PHASES} | {"steps": stats.num_steps}
     start = time.perf_counter()

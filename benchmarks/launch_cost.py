@@ -25,11 +25,11 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
+from jaxllm.benchmarks.engine_step import prefill_batch  # noqa: E402
 from jaxllm.benchmarks.provenance import source_commit, write_json  # noqa: E402
 
 import jaxllm  # noqa: E402
-from jaxllm import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from jaxllm import EngineConfig, LLMEngine  # noqa: E402
 from jaxllm.engine.engine_config import resolve_unroll_layers  # noqa: E402
 
 
@@ -61,16 +61,7 @@ def time_launches(runner, totals: dict) -> None:
 
 
 def decode_round(engine: LLMEngine, args, tag: str, totals: dict) -> dict:
-    rng = np.random.default_rng(0)
-    vocab = engine.model.config.vocab_size
-    for i in range(args.batch):
-        engine.add_request(f"{tag}{i}", prompt_token_ids=rng.integers(
-            10, vocab - 10, args.input_len).tolist(), params=SamplingParams(
-            temperature=0.0, max_tokens=args.output_len, ignore_eos=True))
-    while engine.scheduler.waiting or any(
-            s.num_computed_tokens < s.num_prompt_tokens
-            for g in engine.scheduler.running for s in g.seqs):
-        engine.step()
+    prefill_batch(engine, tag, args.batch, args.input_len, args.output_len)
     stats = engine.stats
     steps0, host0, wait0 = stats.num_steps, stats.host_seconds, stats.device_wait_seconds
     for key in totals:
