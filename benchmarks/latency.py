@@ -55,6 +55,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (the roofline is then "
                         "per device: its share of the weights and of the KV cache)")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["int8", "fp8", "awq", "gptq"],
+                        help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
+                        "too); awq, gptq: a 4-bit checkpoint's own. The roofline counts the "
+                        "bytes the quantized weights actually hold")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -174,7 +179,8 @@ def run(args: argparse.Namespace) -> dict:
     unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
     # Loaded in the layout the engine would run (no second copy made to re-lay it out).
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
-                              seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll)
+                              seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
+                              quantization=args.quantization)
     cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
     leaves = jax.tree.leaves(model.params)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
@@ -193,7 +199,8 @@ def run(args: argparse.Namespace) -> dict:
     else:
         size = args.copy_mib or (4096 if on_gpu else 64)
         bandwidth, how = measure_bandwidth_gbps(size), f"measured copy of {size} MiB"
-    print(f"{model.name} {model.dtype.name}: weights {weight_bytes / 1e9:.3f} GB, KV "
+    quant = model.quantization.describe() if model.quantization else "not quantized"
+    print(f"{model.name} {model.dtype.name} ({quant}): weights {weight_bytes / 1e9:.3f} GB, KV "
           f"{kv_bytes_per_token(cfg, itemsize) / 1024:.1f} KiB/token; bandwidth "
           f"{bandwidth:.1f} GB/s ({how})")
     rows = []

@@ -89,6 +89,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"])
     m.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
+    m.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "awq", "gptq"],
+                   help="jaxllm and jax-static: int8 weight-only or fp8 W8A8 quantized at load "
+                   "time (dummy weights too); awq, gptq: a 4-bit checkpoint's own")
     e = parser.add_argument_group("engine (jaxllm; --max-num-seqs is also jax-static's batch "
                                   "unless --jax-static-batch-size)")
     e.add_argument("--max-num-seqs", type=int, default=None)
@@ -237,7 +240,7 @@ def load_jax_model(args):
     model = jaxllm.load_model(
         args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
     if args.tokenizer:
         model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
             args.tokenizer, model.config.eos_token_ids))
