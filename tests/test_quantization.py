@@ -53,12 +53,14 @@ def test_fp8_linear_is_close_to_float():
     kernel = rng.normal(size=(64, 48)).astype(np.float32) * rng.uniform(0.1, 3, 48)
     x = rng.normal(size=(5, 64)).astype(np.float32) * rng.uniform(0.01, 10, (5, 1))
     weight = quantize_fp8(jnp.asarray(kernel))
-    assert weight.q.dtype == jnp.float8_e4m3fn and weight.scale.shape == (48,)
+    # Stored transposed, [N, K]: the layout the FP8 GEMM reads (linear.py).
+    assert weight.qt.dtype == jnp.float8_e4m3fn and weight.qt.shape == (48, 64)
+    assert weight.shape == kernel.shape and weight.scale.shape == (48,)
     # e4m3 keeps 3 mantissa bits: each weight within 2^-4 of itself (relative), the scales
     # put every column's largest weight at e4m3's largest value (448).
     dequantized = np.asarray(weight.dequantize())
     assert np.all(np.abs(dequantized - kernel) <= np.abs(kernel) * 2.0**-4 + 1e-6)
-    np.testing.assert_allclose(np.abs(np.asarray(weight.q, np.float32)).max(axis=0), 448)
+    np.testing.assert_allclose(np.abs(np.asarray(weight.qt, np.float32)).max(axis=1), 448)
     ref = x @ kernel
     error = np.linalg.norm(np.asarray(linear(jnp.asarray(x), weight)) - ref, axis=1)
     relative = error / np.linalg.norm(ref, axis=1)  # per token: its own activation scale

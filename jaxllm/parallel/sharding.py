@@ -13,8 +13,9 @@ Megatron-style split of the Llama family (the column orders of the fused project
     lm_head/kernel             [H, V]            vocabulary split (columns)
     norms                                        replicated
 
-A quantized kernel's parts split as the kernel: Int8Weight/Fp8Weight's ``q`` as the kernel, its
-per-column ``scale`` as the output axis; Int4Weight's packed words [K/8, N] and its per-group
+A quantized kernel's parts split as the kernel: Int8Weight's ``q`` as the kernel, Fp8Weight's
+transposed ``qt`` [N, K] with the kernel's two axes swapped, their per-column ``scale`` as the
+output axis; Int4Weight's packed words [K/8, N] and its per-group
 scales and zeros [G, N] on both axes as the kernel (a group never straddles two devices:
 :func:`jaxllm.quantization.int4_checkpoint.check_int4_layout`), except that one group over
 all rows (G = 1) is replicated along the input axis.
@@ -103,6 +104,8 @@ def _leaf_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool) -> Partit
         trailing = ()
     if part == "scale" and trailing:  # per output channel: split as the kernel's output axis
         trailing = trailing[-1:]
+    if part == "qt" and trailing:  # the kernel transposed, [N, K]
+        trailing = trailing[::-1]
     if part in ("scales", "zeros") and trailing and shape[-2] == 1:
         # An Int4Weight with one group over all input rows: every input shard uses that row.
         trailing = (None, trailing[-1])

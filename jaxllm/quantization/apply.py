@@ -42,13 +42,22 @@ def quantize_leaf(path: tuple, leaf: jax.Array, config: QuantizationConfig | Non
     sharding = getattr(leaf, "sharding", None)
     out = {}
     if isinstance(sharding, NamedSharding):
-        spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-        out = {"out_shardings": stand_in(
-            q=sharding, scale=NamedSharding(sharding.mesh, PartitionSpec(*spec[:-2], spec[-1])))}
+        out = {"out_shardings": _stand_in_shardings(stand_in, sharding, leaf.ndim)}
     quantized = jax.jit(quantize, **out)(leaf)
     if donate:
         leaf.delete()
     return quantized
+
+
+def _stand_in_shardings(stand_in: type, kernel: NamedSharding, ndim: int) -> Any:
+    """Where a quantized kernel's parts go: split as the kernel [.., K, N] (Fp8Weight's
+    transposed weight with the two axes swapped), the per-column scale as its output axis."""
+    *lead, k, n = tuple(kernel.spec) + (None,) * (ndim - len(kernel.spec))
+    named = lambda *spec: NamedSharding(kernel.mesh, PartitionSpec(*spec))
+    scale = named(*lead, n)
+    if stand_in is Fp8Weight:
+        return Fp8Weight(qt=named(*lead, n, k), scale=scale)
+    return stand_in(q=kernel, scale=scale)
 
 
 def quantize_params(params: Any, config: QuantizationConfig | None, *,

@@ -1,0 +1,106 @@
+"""``python -m jaxllm.benchmarks.fp8_matmul``: which formulation of the FP8 W8A8 projection
+reaches an FP8 GEMM on this device, against the bf16 matmul it replaces.
+
+Each variant is the whole projection as ``jaxllm.layers.linear`` would run it (per-token
+activation quantization, the FP8 ``dot_general``, both scales on the output) at the Llama-3-8B
+MLP's shape, for several token counts. The weight is stored either [K, N] (as the kernel
+today) or [N, K] (K-major on both operands, the layout cuBLASLt's FP8 GEMM takes without a
+transpose), and the dot's output type is float32 or bfloat16 (cuBLASLt accumulates in float32
+either way). Printed: median microseconds, TFLOP/s, speed-up over bf16, and whether the
+optimized HLO calls cuBLASLt's FP8 GEMM (``__cublas$lt$matmul$f8``).
+
+    python -m jaxllm.benchmarks.fp8_matmul --tokens 1,64,256,2048 --output-json fp8.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+
+import numpy as np
+
+FP8_MAX = 448.0
+
+
+def _variants():
+    import jax
+    import jax.numpy as jnp
+
+    fp8 = jnp.float8_e4m3fn
+
+    def quantize_tokens(x):  # bf16 [T, K] -> (fp8 [T, K], f32 [T, 1])
+        scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / FP8_MAX
+        scale = jnp.where(scale > 0, scale, 1.0)
+        return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(fp8), scale
+
+    def fp8_linear(x, wq, w_scale, *, k_major, out_dtype):
+        xq, x_scale = quantize_tokens(x)
+        dims = (((1,), (1,)), ((), ())) if k_major else (((1,), (0,)), ((), ()))
+        y = jax.lax.dot_general(xq, wq, dims, preferred_element_type=out_dtype)
+        return (y.astype(jnp.float32) * x_scale * w_scale).astype(x.dtype)
+
+    variants = {"bf16": lambda x, w, s: x @ w}
+    for k_major in (False, True):
+        for out in (jnp.float32, jnp.bfloat16):
+            name = f"fp8 w[{'N,K' if k_major else 'K,N'}] out {jnp.dtype(out).name}"
+            variants[name] = functools.partial(fp8_linear, k_major=k_major, out_dtype=out)
+    return variants
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    k, n = args.k, args.n
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
+    w_scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0) / FP8_MAX  # f32 [N]
+    wq_kn = (w.astype(jnp.float32) / w_scale).astype(jnp.float8_e4m3fn)
+    weights = {False: wq_kn, True: jnp.asarray(wq_kn.T)}
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = jnp.asarray(rng.standard_normal((tokens, k), np.float32), jnp.bfloat16)
+        for name, fn in _variants().items():
+            operand = w if name == "bf16" else weights["N,K" in name]
+            step = jax.jit(fn).lower(x, operand, w_scale).compile()
+            hlo = step.as_text()
+            for _ in range(3):
+                step(x, operand, w_scale).block_until_ready()
+            times = []
+            for _ in range(args.iters):
+                t = time.perf_counter()
+                step(x, operand, w_scale).block_until_ready()
+                times.append(time.perf_counter() - t)
+            us = 1e6 * float(np.median(times))
+            rows.append({"tokens": tokens, "variant": name, "us": us,
+                         "tflops": 2 * tokens * k * n / (us * 1e-6) / 1e12,
+                         "cublaslt_fp8": "__cublas$lt$matmul$f8" in hlo})
+    base = {r["tokens"]: r["us"] for r in rows if r["variant"] == "bf16"}
+    print(f"{'tokens':>6}  {'variant':<28}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}  FP8 GEMM")
+    for r in rows:
+        r["speedup_vs_bf16"] = base[r["tokens"]] / r["us"]
+        print(f"{r['tokens']:>6}  {r['variant']:<28}{r['us']:>10.1f}{r['tflops']:>9.1f}"
+              f"{r['speedup_vs_bf16']:>8.2f}x  {r['cublaslt_fp8']}")
+    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "k": k, "n": n,
+              "rows": rows}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,64,256,2048")
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--n", type=int, default=28672, help="default: Llama-3-8B's fused "
+                        "gate_up projection (2 x 14336)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--output-json", default=None)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
