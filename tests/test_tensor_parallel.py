@@ -1,8 +1,10 @@
-"""Runs the tensor-parallel cases (``tests/multidevice/tp_cases.py``) in a process of its
-own with four forced host devices, so every other test keeps one device."""
+"""Runs the tensor-parallel cases (``tests/multidevice/*_cases.py``) in one process of their
+own with four forced host devices, so every other test keeps one device (one process: each
+costs seconds of imports and its own compiles)."""
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -16,7 +18,7 @@ def test_tensor_parallel_cases_on_four_host_devices():
                         + " --xla_force_host_platform_device_count=4").strip()
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-         os.path.join(HERE, "multidevice", "tp_cases.py")],
+         *sorted(glob.glob(os.path.join(HERE, "multidevice", "*_cases.py")))],
         cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
