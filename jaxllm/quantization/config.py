@@ -3,10 +3,14 @@
 
 Implemented: ``int8`` (weight-only, per output channel) and ``fp8`` (W8A8: per-output-channel
 weight scales, dynamic per-token activation scales, as vLLM's ``--quantization fp8``), both
-quantized at load time from a float checkpoint; and 4-bit ``awq`` (AutoAWQ's GEMM layout) and
-``gptq`` checkpoints, read as they are packed (:mod:`jaxllm.quantization.int4_checkpoint`).
-Recognised and refused with a message naming the problem: other AWQ/GPTQ widths, layouts and
-options, and FP8 checkpoints (their loader is not written yet).
+quantized at load time from a float checkpoint; 4-bit ``awq`` (AutoAWQ's GEMM layout) and
+``gptq`` checkpoints, read as they are packed (:mod:`jaxllm.quantization.int4_checkpoint`); and
+FP8 checkpoints in compressed-tensors' ``float-quantized`` format (llm-compressor's FP8_DYNAMIC
+scheme: e4m3 weights with per-channel or per-tensor scales, dynamic per-token activations),
+read as they are stored. Recognised and refused with a message naming the problem: other
+AWQ/GPTQ widths, layouts and options, other compressed-tensors schemes (static activation
+scales, weight-only FP8, block or group scales, a quantized KV cache or LM head), and FP8
+checkpoints in other formats (``quant_method: fp8``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "fp8", "awq", "gptq")
 IMPLEMENTED = ("int8", "fp8")  # at load time, from float weights
-FROM_CHECKPOINT = ("awq", "gptq")  # read packed from a quantized checkpoint
+FROM_CHECKPOINT = ("awq", "gptq", "fp8")  # read as stored from a quantized checkpoint
+INT4_METHODS = ("awq", "gptq")
+FP8_WEIGHT_STRATEGIES = ("channel", "tensor")  # compressed-tensors: one scale per row, or one
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)
 GPTQ_BITS = (2, 3, 4, 8)
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus 1; v2 stores it as is
@@ -35,6 +41,8 @@ class QuantizationConfig:
     zero_offset: int = 0
     symmetric: bool = False
     modules_to_not_convert: tuple[str, ...] = ()  # AWQ: module names kept in float
+    # FP8 checkpoints: "channel" (weight_scale [out, 1]) or "tensor" (weight_scale [1])
+    weight_strategy: str = "channel"
 
     def describe(self) -> str:
         group = "" if self.group_size == -1 else f", group size {self.group_size}"
@@ -91,6 +99,41 @@ def _gptq(qc: Mapping[str, Any]) -> QuantizationConfig:
                               zero_offset=1 if fmt == "gptq" else 0, symmetric=symmetric)
 
 
+def _compressed_tensors_fp8(qc: Mapping[str, Any]) -> QuantizationConfig:
+    """compressed-tensors' FP8 W8A8 with dynamic per-token activations (what jaxllm's FP8
+    layer computes); every other scheme is refused naming its field."""
+    name = "compressed-tensors checkpoint"
+    fmt = qc.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(f"{name} in format {fmt!r}: only 'float-quantized' (FP8) is "
+                         "supported")
+    if qc.get("kv_cache_scheme"):
+        raise ValueError(f"{name} with a kv_cache_scheme: an FP8 KV cache is not supported")
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"{name} with {len(groups)} config_groups: exactly one (every "
+                         "decoder projection quantized alike) is supported")
+    group = groups[0]
+    weights, acts = group.get("weights") or {}, group.get("input_activations")
+    if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or \
+            not weights.get("symmetric", True):
+        raise ValueError(f"{name}: weights {weights}: only symmetric 8-bit float (FP8 e4m3) "
+                         "weights are supported")
+    strategy = weights.get("strategy")
+    if strategy not in FP8_WEIGHT_STRATEGIES:
+        raise ValueError(f"{name}: weight strategy {strategy!r}: supported are "
+                         f"{FP8_WEIGHT_STRATEGIES}")
+    if not acts or (acts.get("type"), acts.get("num_bits")) != ("float", 8) or \
+            not acts.get("dynamic") or acts.get("strategy") != "token":
+        raise ValueError(f"{name}: input_activations {acts}: only dynamic per-token FP8 "
+                         "activations (FP8_DYNAMIC) are supported")
+    ignored = qc.get("ignore") or []
+    if "lm_head" not in ignored:
+        raise ValueError(f"{name}: the LM head is quantized (not in 'ignore'); jaxllm keeps "
+                         "it in the compute dtype")
+    return QuantizationConfig("fp8", 8, -1, True, weight_strategy=strategy)
+
+
 def _checkpoint_method(qc: Mapping[str, Any]) -> QuantizationConfig:
     """Parses a checkpoint's ``quantization_config``; raises ValueError naming what is
     unsupported."""
@@ -99,13 +142,13 @@ def _checkpoint_method(qc: Mapping[str, Any]) -> QuantizationConfig:
         return _awq(qc)
     if method == "gptq":
         return _gptq(qc)
-    if method in ("fp8", "compressed-tensors"):
-        if method == "compressed-tensors":
-            fmt = qc.get("format")
-            if fmt != "float-quantized":
-                raise ValueError(f"compressed-tensors checkpoint in format {fmt!r}: only "
-                                 "'float-quantized' (FP8) is supported")
-        return QuantizationConfig("fp8", 8, -1, True)
+    if method == "compressed-tensors":
+        return _compressed_tensors_fp8(qc)
+    if method == "fp8":
+        raise ValueError("FP8 checkpoint with quant_method 'fp8': not supported yet; jaxllm "
+                         "reads FP8 checkpoints in compressed-tensors' 'float-quantized' "
+                         "format (llm-compressor's FP8_DYNAMIC), or quantizes a float "
+                         "checkpoint with --quantization fp8")
     raise ValueError(f"the checkpoint's quantization_config names quant_method {method!r}, "
                      "which jaxllm does not support (supported: "
                      f"{', '.join(QUANTIZATION_METHODS)})")
@@ -122,7 +165,7 @@ def resolve_quantization(requested: str | None,
         config = _checkpoint_method(checkpoint_config)
         if requested is not None and requested != config.method:
             raise ValueError(f"{flag}: the checkpoint is quantized with {config.method}")
-    elif requested in ("awq", "gptq"):
+    elif requested in INT4_METHODS:
         raise ValueError(f"{flag}: needs a checkpoint quantized with {requested} (its "
                          "quantization_config); a float checkpoint is quantized at load time "
                          "with int8 or fp8")
