@@ -27,9 +27,12 @@ from jaxllm.loading.dummy import param_shapes
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models.llama import unstack_layer_params
 from jaxllm.quantization import QuantizationConfig, quantize_leaf
+from jaxllm.quantization.config import INT4_METHODS
 
 METADATA_FILE = "jaxllm_checkpoint.json"
-FORMAT_VERSION = 1
+# 2: Fp8Weight stored transposed (``qt`` [.., N, K], the FP8 GEMM's layout); a format-1
+# checkpoint of any precision is converted again.
+FORMAT_VERSION = 2
 
 
 def is_converted_checkpoint(path: str) -> bool:
@@ -44,7 +47,7 @@ def save_converted(model: Any, out: str) -> None:
     if model.mesh is not None:
         raise ValueError("convert writes one-device checkpoints: load the source with "
                          "tensor_parallel_size 1 (the converted checkpoint loads at any size)")
-    if model.quantization is not None and model.quantization.from_checkpoint:
+    if model.quantization is not None and model.quantization.method in INT4_METHODS:
         raise ValueError(f"convert of {model.quantization.describe()} checkpoints is not "
                          "supported yet: serve the checkpoint itself")
     out = os.path.abspath(out)
@@ -94,7 +97,10 @@ class ConvertedCheckpoint:
         config["eos_token_ids"] = tuple(config["eos_token_ids"])
         quantization = meta["quantization"]
         return cls(path, meta["name"], ModelConfig(**config), jnp.dtype(meta["dtype"]),
-                   QuantizationConfig(**quantization) if quantization else None,
+                   QuantizationConfig(**quantization | {
+                       "modules_to_not_convert": tuple(
+                           quantization.get("modules_to_not_convert", ()))})
+                   if quantization else None,
                    bool(meta["unroll_layers"]))
 
     def check_request(self, dtype: Any | None, quantization: str | None) -> None:
