@@ -158,9 +158,30 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     offsets = slot_mapping % block_size
     return KVPool(
-        k=kv_pool.k.at[layer, blocks, offsets].set(k.astype(kv_pool.k.dtype), mode="drop"),
-        v=kv_pool.v.at[layer, blocks, offsets].set(v.astype(kv_pool.v.dtype), mode="drop"),
+        k=kv_pool.k.at[layer, blocks, offsets].set(to_pool_dtype(k, kv_pool.dtype), mode="drop"),
+        v=kv_pool.v.at[layer, blocks, offsets].set(to_pool_dtype(v, kv_pool.dtype), mode="drop"),
     )
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+
+
+def to_pool_dtype(x: jax.Array, dtype) -> jax.Array:
+    """``x`` as the pool stores it. An FP8 pool (``--kv-cache-dtype fp8``) stores K and V with
+    a scale of 1, as vLLM does without calibrated scales, saturating at e4m3's largest value
+    (a plain cast would make anything past it NaN)."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+        x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
+    return x.astype(dtype)
+
+
+def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
+    """The pool's dtype for ``--kv-cache-dtype`` ``name``: "auto" is the model's dtype."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name}: must be one of "
+                         f"{', '.join(KV_CACHE_DTYPES)}")
+    return jnp.dtype(KV_CACHE_DTYPES[name] or model_dtype)
 
 
 def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
@@ -169,5 +190,6 @@ def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
     return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pool)
 
 
-__all__ = ["NULL_BLOCK", "PAD_SLOT", "AnyKVPool", "KVPool", "LayeredKVPool", "copy_blocks",
-           "kv_block_bytes", "new_kv_pool", "write_kv"]
+__all__ = ["KV_CACHE_DTYPES", "NULL_BLOCK", "PAD_SLOT", "AnyKVPool", "KVPool", "LayeredKVPool",
+           "copy_blocks", "kv_block_bytes", "kv_cache_dtype", "new_kv_pool", "to_pool_dtype",
+           "write_kv"]

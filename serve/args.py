@@ -16,6 +16,7 @@ import os
 from jaxllm.serve import security
 
 from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
+from jaxllm.kv_pool import KV_CACHE_DTYPES
 from jaxllm.pooling_params import PoolingParams
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
@@ -178,6 +179,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                         "scales), quantized at load time; awq or gptq: a 4-bit checkpoint's "
                         "own; 'gguf' for a .gguf model (dequantized at load); None: as the "
                         "checkpoint is")
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with a "
+                        "scale of 1, as vLLM without calibrated scales: twice the blocks)")
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices (attention heads, "
                         "MLP and vocabulary split; the KV cache split by KV head)")
@@ -205,8 +209,8 @@ def configs_from_args(args: argparse.Namespace,
     elif quantization not in (None, "int8", "fp8", "awq", "gptq"):
         raise ValueError(
             f"--quantization={quantization} is not supported yet: jaxllm quantizes weights "
-            "with int8 or fp8 at load time and reads 4-bit awq and gptq checkpoints (fp8 "
-            "checkpoints are refused with a reason)")
+            "with int8 or fp8 at load time and reads 4-bit awq and gptq and "
+            "compressed-tensors fp8 checkpoints")
     engine = EngineConfig(
         model=model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -215,7 +219,7 @@ def configs_from_args(args: argparse.Namespace,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
         unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
-        quantization=quantization,
+        quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
         disable_log_stats=args.disable_log_stats)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from jaxllm.kv_pool import KV_CACHE_DTYPES
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = (None, "recompute", "swap")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -55,12 +57,18 @@ class EngineConfig:
     # Quantize (or read a quantized checkpoint's) weights: jaxllm.quantization. None: as the
     # checkpoint is.
     quantization: str | None = None
+    # The KV pool's dtype: "auto" (the model's) or "fp8" (float8_e4m3fn, scale 1, as vLLM's
+    # uncalibrated fp8 cache: half the bytes, twice the blocks). jaxllm.kv_pool.KV_CACHE_DTYPES.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of "
+             f"{', '.join(KV_CACHE_DTYPES)}")
         need(self.block_size in BLOCK_SIZES,
              f"block_size={self.block_size} must be one of {BLOCK_SIZES}")
         need(self.max_num_seqs is None or self.max_num_seqs >= 1,

@@ -34,9 +34,9 @@ class KVPlan:
 
 
 def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_width: int,
-                     attention_backend: str) -> int:
+                     attention_backend: str, kv_dtype=None) -> int:
     """Temporary device memory of the jitted step at its largest shape (compiled, not run),
-    for the model's layer layout."""
+    for the model's layer layout and a pool of ``kv_dtype`` (None: the model's dtype)."""
     cfg = model.config
     forward = make_forward(cfg, model.dtype, attention_backend, model.mesh)
 
@@ -44,7 +44,7 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
         logits, kv_pool = forward(params, kv_pool, batch)
         return sample(logits, md, num_logprobs=0, use_penalties=False), kv_pool
 
-    pool = jax.eval_shape(lambda: new_kv_pool(cfg, 2, 16, model.dtype,
+    pool = jax.eval_shape(lambda: new_kv_pool(cfg, 2, 16, kv_dtype or model.dtype,
                                               unroll_layers=model.unroll_layers))
     if model.mesh is not None:  # per device: the pool split as the engine splits it
         pool = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -61,8 +61,10 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
                    cpu_kv_cache_space: float, swap_space: float,
                    num_gpu_blocks_override: int | None, max_num_seqs: int, max_model_len: int,
-                   max_num_batched_tokens: int, attention_backend: str) -> KVPlan:
-    per_block = kv_block_bytes(model.config, block_size, model.dtype)
+                   max_num_batched_tokens: int, attention_backend: str,
+                   kv_dtype=None) -> KVPlan:
+    kv_dtype = kv_dtype or model.dtype  # the pool's dtype (--kv-cache-dtype)
+    per_block = kv_block_bytes(model.config, block_size, kv_dtype)
     useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
     num_cpu = min(int(swap_space * GiB) // per_block, useful)  # the host holds whole blocks
     # Tensor parallel: each device holds its KV heads' share of every block, and its own
@@ -83,7 +85,8 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
         in_use = stats.get("bytes_in_use", 0)
         activations = activation_bytes(model, max_num_batched_tokens,
                                        min(max_num_seqs, max_num_batched_tokens),
-                                       -(-max_model_len // block_size), attention_backend)
+                                       -(-max_model_len // block_size), attention_backend,
+                                       kv_dtype)
         kv_bytes = budget - in_use - activations
         if kv_bytes < 2 * device_block:
             raise ValueError(

@@ -43,6 +43,7 @@ from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.engine.stats import EngineStats
+from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import SamplerInput, needs_penalties
@@ -102,13 +103,14 @@ class LLMEngine:
                                 jax.default_backend())
         max_model_len, max_batched = config.max_model_len, config.max_num_batched_tokens
         backend = resolve_backend(config.attention_backend)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         plan = plan_kv_blocks(
             model, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization,
             cpu_kv_cache_space=config.cpu_kv_cache_space, swap_space=config.swap_space,
             num_gpu_blocks_override=config.num_gpu_blocks_override,
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-            max_num_batched_tokens=max_batched, attention_backend=backend)
+            max_num_batched_tokens=max_batched, attention_backend=backend, kv_dtype=kv_dtype)
         logger.info(plan.report)
         if -(-max_model_len // config.block_size) > plan.num_gpu_blocks - 1:
             fits = (plan.num_gpu_blocks - 1) * config.block_size
@@ -125,7 +127,8 @@ class LLMEngine:
                 model, block_size=config.block_size, num_gpu_blocks=plan.num_gpu_blocks,
                 num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
-                attention_backend=backend, bucket_table_width=backend == "reference")
+                attention_backend=backend, bucket_table_width=backend == "reference",
+                kv_dtype=kv_dtype)
         allocated = time.perf_counter()
         self.block_manager = BlockManager(
             plan.num_gpu_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks,

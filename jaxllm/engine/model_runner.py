@@ -110,7 +110,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, attention_backend: str = "auto",
-                 bucket_table_width: bool = True):
+                 bucket_table_width: bool = True, kv_dtype=None):
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -122,7 +122,8 @@ class ModelRunner:
         mesh = model.mesh  # tensor parallel: the pool is split by KV head over it
 
         # The pool's layout follows the params' (scanned or unrolled layer stack).
-        self._new_pool = lambda: new_kv_pool(cfg, num_gpu_blocks, block_size, model.dtype,
+        kv_dtype = kv_dtype or model.dtype  # --kv-cache-dtype
+        self._new_pool = lambda: new_kv_pool(cfg, num_gpu_blocks, block_size, kv_dtype,
                                              unroll_layers=model.unroll_layers, mesh=mesh)
         # Waited for: dispatch is asynchronous, and an allocation that fails must fail here.
         self.kv_pool = jax.block_until_ready(self._new_pool())

@@ -8,11 +8,11 @@ kernels for the Triton GPU backend; :func:`paged_attention_mixed` runs both over
 ``interpret=True`` to run them on CPU.
 """
 
-from .common import kernels_support
+from .common import is_fp8, kernels_support
 from .decode import DecodeConfig, paged_attention_decode
 from .mixed import paged_attention_mixed
 from .prefill import PrefillConfig, paged_attention_prefill
 from .reference import paged_attention_reference
 
-__all__ = ["DecodeConfig", "PrefillConfig", "kernels_support", "paged_attention_decode",
+__all__ = ["DecodeConfig", "PrefillConfig", "is_fp8", "kernels_support", "paged_attention_decode",
            "paged_attention_mixed", "paged_attention_prefill", "paged_attention_reference"]

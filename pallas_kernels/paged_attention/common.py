@@ -59,6 +59,17 @@ def check_shapes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> None:
         raise ValueError(f"{block_size=} must be a power of two (Triton tile shapes)")
 
 
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def compute_dtype(q_dtype, kv_dtype):
+    """The dtype of both dots: the pool's, except that FP8 pages (``--kv-cache-dtype fp8``)
+    are widened to the query's dtype as they are read (the pool holds half the bytes; the dots
+    keep the activations' precision)."""
+    return q_dtype if is_fp8(kv_dtype) else kv_dtype
+
+
 def kernels_support(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> bool:
     try:
         check_shapes(q, k_pool, v_pool)
@@ -113,13 +124,14 @@ def flat_pool(pool: jax.Array) -> jax.Array:
 
 
 def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, block_size: int,
-                  num_kv_heads: int, block_kv: int, key_mask: jax.Array | None):
+                  num_kv_heads: int, block_kv: int, key_mask: jax.Array | None, dtype):
     """K and V of compute block ``block`` (keys ``block * block_kv + [0, block_kv)``) of
     sequence ``seq``, kv head ``head``: two [block_kv, D] tiles from the flat pools.
 
     ``layer_row`` = layer * NB (first page row of the layer). ``key_mask`` (bool[block_kv])
     marks the keys to read; the others read as 0, so a NaN or garbage page tail never enters
-    either product. None: every key is valid.
+    either product. None: every key is valid. The tiles come back in ``dtype``
+    (:func:`compute_dtype`).
     """
     head_dim = k_ref.shape[1]
     width = tables_ref.shape[1]
@@ -131,10 +143,10 @@ def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, bloc
     rows = ((layer_row + pages) * block_size + (key & (block_size - 1))) * num_kv_heads + head
     idx = (rows[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     if key_mask is None:
-        return k_ref[idx], v_ref[idx]
+        return k_ref[idx].astype(dtype), v_ref[idx].astype(dtype)
     mask = jnp.broadcast_to(key_mask[:, None], (block_kv, head_dim))
-    return (pltriton.load(k_ref.at[idx], mask=mask, other=0),
-            pltriton.load(v_ref.at[idx], mask=mask, other=0))
+    return (pltriton.load(k_ref.at[idx], mask=mask, other=0).astype(dtype),
+            pltriton.load(v_ref.at[idx], mask=mask, other=0).astype(dtype))
 
 
 def softmax_step(q, k, v, carry, scale_log2: float, logit_mask: jax.Array | None):

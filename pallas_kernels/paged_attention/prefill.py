@@ -100,7 +100,8 @@ def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, h
 
     idx = (q_row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     tile_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
-    q = pltriton.load(q_ref.at[idx], mask=tile_mask, other=0).astype(k_ref.dtype)
+    dtype = common.compute_dtype(q_ref.dtype, k_ref.dtype)
+    q = pltriton.load(q_ref.at[idx], mask=tile_mask, other=0).astype(dtype)
 
     def step(masked: bool):
         def body(block, carry):
@@ -111,7 +112,7 @@ def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, h
                 logit_mask = (keys[None, :] >= lo_r[:, None]) & (keys[None, :] < hi_r[:, None])
             k, v = common.load_kv_block(
                 k_ref, v_ref, tables_ref, layer_row, seq, head, block, block_size=block_size,
-                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask)
+                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask, dtype=dtype)
             return common.softmax_step(q, k, v, carry, scale_log2, logit_mask)
         return body
 
