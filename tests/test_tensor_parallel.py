@@ -16,6 +16,9 @@ def test_tensor_parallel_cases_on_four_host_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
                         + " --xla_force_host_platform_device_count=4").strip()
+    # The cases use no plugin's fixtures or hooks; importing them (schemathesis, hypothesis,
+    # anyio, xdist) costs ~2 s of a 2-core machine's CPU at start-up.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
          *sorted(glob.glob(os.path.join(HERE, "multidevice", "*_cases.py")))],
