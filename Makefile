@@ -8,9 +8,13 @@ STAMP := $(VENV)/.installed
 run: $(STAMP)
 	$(VENV)/bin/jaxllm serve $(ARGS)
 
+# The suite starts ~40 Python processes (workers, servers, CLIs, notebook kernels, the
+# 4-device run): with PYTHONDONTWRITEBYTECODE set (as on this workplace's machines) each one
+# compiled jax's and jaxllm's sources again (~1.8 s of CPU a process); unset, the first writes
+# the bytecode into .venv and the rest read it.
 test: $(STAMP)
 	$(VENV)/bin/ruff check jaxllm pallas_kernels serve tests benchmarks
-	$(PYTHON) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # uv installs the same packages as pip in ~15 s instead of ~140 s on a 2-core machine (it
 # resolves and downloads in parallel); where uv cannot run, pip does the same install.
