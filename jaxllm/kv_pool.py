@@ -163,7 +163,7 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
     )
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+FP8_KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
 
 
@@ -178,10 +178,12 @@ def to_pool_dtype(x: jax.Array, dtype) -> jax.Array:
 
 def kv_cache_dtype(name: str, model_dtype) -> jnp.dtype:
     """The pool's dtype for ``--kv-cache-dtype`` ``name``: "auto" is the model's dtype."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name}: must be one of "
-                         f"{', '.join(KV_CACHE_DTYPES)}")
-    return jnp.dtype(KV_CACHE_DTYPES[name] or model_dtype)
+    if name == "auto":
+        return jnp.dtype(model_dtype)
+    if name not in FP8_KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name}: must be one of auto, "
+                         f"{', '.join(FP8_KV_CACHE_DTYPES)}")
+    return jnp.dtype(FP8_KV_CACHE_DTYPES[name])
 
 
 def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
@@ -190,6 +192,6 @@ def copy_blocks(pool: AnyKVPool, src: jax.Array, dst: jax.Array) -> AnyKVPool:
     return jax.tree.map(lambda x: x.at[:, dst].set(x[:, src]), pool)
 
 
-__all__ = ["KV_CACHE_DTYPES", "NULL_BLOCK", "PAD_SLOT", "AnyKVPool", "KVPool", "LayeredKVPool",
-           "copy_blocks", "kv_block_bytes", "kv_cache_dtype", "new_kv_pool", "to_pool_dtype",
-           "write_kv"]
+__all__ = ["FP8_KV_CACHE_DTYPES", "NULL_BLOCK", "PAD_SLOT", "AnyKVPool", "KVPool",
+           "LayeredKVPool", "copy_blocks", "kv_block_bytes", "kv_cache_dtype", "new_kv_pool",
+           "to_pool_dtype", "write_kv"]

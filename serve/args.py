@@ -15,8 +15,7 @@ import os
 
 from jaxllm.serve import security
 
-from jaxllm.engine.engine_config import BLOCK_SIZES, EngineConfig
-from jaxllm.kv_pool import KV_CACHE_DTYPES
+from jaxllm.engine.engine_config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
 from jaxllm.pooling_params import PoolingParams
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB

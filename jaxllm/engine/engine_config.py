@@ -9,11 +9,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxllm.kv_pool import KV_CACHE_DTYPES
-
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = (None, "recompute", "swap")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # --kv-cache-dtype: jaxllm.kv_pool.kv_cache_dtype
 HASH_ALGOS = ("builtin", "sha256")
 
 
@@ -58,7 +57,7 @@ class EngineConfig:
     # checkpoint is.
     quantization: str | None = None
     # The KV pool's dtype: "auto" (the model's) or "fp8" (float8_e4m3fn, scale 1, as vLLM's
-    # uncalibrated fp8 cache: half the bytes, twice the blocks). jaxllm.kv_pool.KV_CACHE_DTYPES.
+    # uncalibrated fp8 cache: half the bytes, twice the blocks; jaxllm.kv_pool.kv_cache_dtype).
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
