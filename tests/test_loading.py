@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_models import PagedRunner
+from tiny_models import prompt_logits
 
 import jaxllm
 from jaxllm import ModelConfig, ModelLoadError, UnsupportedModelError
@@ -28,8 +28,7 @@ def test_hf_directory_matches_transformers_logits(name):
     model = jaxllm.load_model(os.path.join(TINY_DIR, name), dtype="float32")
     ref = reference(name)
     ids = ref["input_ids"].tolist()
-    logits = PagedRunner(model.config, model.params, block_size=8).run(
-        ids, [len(ids)], list(range(1, 1 + len(ids) // 8 + 1)))
+    logits = prompt_logits(model, ids)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
     out = jaxllm.generate(model.params, jnp.asarray([ids]), jnp.asarray([len(ids)]),
                           jax.random.key(0), config=model.config, max_new_tokens=16)

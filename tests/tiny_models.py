@@ -74,3 +74,10 @@ class PagedRunner:
             done += size
         assert done == len(tokens)
         return np.concatenate(out)
+
+
+def prompt_logits(model, ids: Sequence[int], block_size: int = 8) -> np.ndarray:
+    """Logits f32[len(ids), V] of ``model`` (a LoadedModel) over one whole-prompt step."""
+    blocks = list(range(1, 1 + len(ids) // block_size + 1))
+    return PagedRunner(model.config, model.params, block_size=block_size).run(
+        ids, [len(ids)], blocks)
