@@ -124,15 +124,18 @@ def test_put_renames_a_complete_file_onto_a_free_name(tmp_path, monkeypatch):
 
     def replace(src, dst):
         assert os.path.basename(src).startswith(".tmp-")
-        assert os.path.getsize(src) == len(value)
-        assert not os.path.exists(dst)
+        assert os.path.getsize(src) == len(value if not renames else b"another value")
+        assert os.path.exists(dst) == bool(renames)
         renames.append(dst)
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
     cache.put("key", value)
-    cache.put("key", b"another value")  # an entry stays: no second write
-    assert renames == [str(tmp_path / "key-cache")]
+    assert cache.get("key") == value
+    # A put of an existing key (JAX puts only after a failed read) replaces it, whole.
+    value = b"another value"
+    cache.put("key", value)
+    assert renames == [str(tmp_path / "key-cache")] * 2
     assert cache.get("key") == value
     assert sorted(os.listdir(tmp_path)) == ["key-cache"]
     umask = os.umask(0)
@@ -244,3 +247,24 @@ def test_entries_written_by_one_process_load_whole_in_another(tmp_path):
     assert reader.returncode == 0, reader.stderr
     assert "Error reading persistent compilation cache" not in reader.stderr
     assert reader.stdout.strip().splitlines()[-1] == "2", reader.stderr
+
+
+def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path):
+    """An entry that does not read (a disk error, a copy cut short): JAX warns and compiles,
+    and the put that follows replaces the entry, so the next process reads it whole."""
+    directory = str(tmp_path / "xla")
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=directory,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PLATFORMS="cpu")
+    # READER computes, checks and writes f and g; jaxllm's cache is installed on import.
+    reader = [sys.executable, "-c", LOAD_MODULE + READER]
+    runs = []
+    for corrupt in (False, True, False):
+        if corrupt:
+            for name in os.listdir(directory):
+                with open(os.path.join(directory, name), "r+b") as f:
+                    f.truncate(os.path.getsize(f.name) // 2)
+        run = subprocess.run(reader, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+        runs.append((run.stdout.strip().splitlines()[-1],
+                     "Error reading persistent compilation cache" in run.stderr))
+    assert runs == [("0", False), ("0", True), ("2", False)], runs

@@ -71,8 +71,10 @@ class AtomicLRUCache(_jax_lru.LRUCache):
         if not key:
             raise ValueError("key cannot be empty")
         path = os.path.join(str(self.path), f"{key}{_jax_lru._CACHE_SUFFIX}")
-        if os.path.exists(path):
-            return  # as JAX does: an entry under this key stays (a lost race is fine)
+        # Unlike JAX's put, an existing entry is replaced: JAX puts a key only after its read
+        # missed or failed, so an entry here is one that did not read (corrupt: JAX would keep
+        # it, warning and recompiling in every process from then on) or one another process
+        # wrote meanwhile (replaced by an equal, whole value).
         # A name no other writer picks, outside the "*-cache" glob eviction counts; mode 0o666
         # less the umask, as JAX's write_bytes gives (mkstemp's 0o600 would hide the entry
         # from other users sharing the directory).
