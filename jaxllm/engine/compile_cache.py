@@ -2,8 +2,9 @@
 on disk so that a restarted engine skips their compile.
 
 A cache directory that cannot be used (unwritable, a path through a file, a full disk) is
-worth a warning, not a failed start: the engine then compiles as it would without one. Corrupt
-entries are JAX's to handle (it warns and compiles again).
+worth a warning, not a failed start: the engine then compiles as it would without one. An
+entry that does not read (corrupt) makes JAX warn and compile again; the put that follows
+replaces it (:class:`AtomicLRUCache`).
 
 Several processes may share one directory (replicas on a host, pods on a shared volume), so
 its entries are written atomically: see :class:`AtomicLRUCache`, installed when this module is
