@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -268,3 +269,13 @@ def test_a_corrupt_entry_is_compiled_again_and_replaced(tmp_path):
         runs.append((run.stdout.strip().splitlines()[-1],
                      "Error reading persistent compilation cache" in run.stderr))
     assert runs == [("0", False), ("0", True), ("2", False)], runs
+
+
+def test_temporaries_of_writers_that_died_are_removed(tmp_path):
+    stale, fresh = tmp_path / ".tmp-1-dead", tmp_path / ".tmp-2-writing"
+    for path in (stale, fresh):
+        path.write_bytes(b"part of an entry")
+    old = time.time() - compile_cache.STALE_TEMP_SECONDS - 60
+    os.utime(stale, (old, old))
+    jax_cc.get_file_cache(str(tmp_path))  # as JAX builds its cache on the first compile
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import time
 import uuid
 
 import jax
@@ -93,15 +94,31 @@ class AtomicLRUCache(_jax_lru.LRUCache):
             raise
 
 
+STALE_TEMP_SECONDS = 3600  # a temporary entry this old belongs to a writer that died
+
+
 def _atomic(cache):
     """``cache`` with its plain LRUCache (or a VerificationCache's) made atomic in place: the
-    subclass adds only a method, so the instance keeps its path, size limit and lock."""
+    subclass adds only a method, so the instance keeps its path, size limit and lock. The
+    temporary files of writers killed mid-put (older than STALE_TEMP_SECONDS) are removed."""
     target = cache
     if isinstance(cache, _jax_cc.VerificationCache):
         target = cache._base_cache
     if type(target) is _jax_lru.LRUCache:
         target.__class__ = AtomicLRUCache
+    if isinstance(target, AtomicLRUCache) and target._is_local:
+        _remove_stale_temporaries(str(target.path))
     return cache
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    for entry in os.scandir(directory):
+        try:
+            if entry.name.startswith(".tmp-") and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+        except OSError:  # another process removed or renamed it first
+            pass
 
 
 def install_atomic_cache_writes() -> bool:
