@@ -167,3 +167,24 @@ def test_legacy_autoawq_quant_config_json_is_read_with_the_flag(tmp_path):
         with open(os.path.join(path, "quantize_config.json"), "w") as f:
             json.dump({"quant_method": "awq", "bits": 4, "group_size": 32}, f)
         jaxllm.load_model(path, quantization="gptq")
+
+
+@pytest.mark.parametrize("method, group", [("awq", 32), ("gptq", -1)])
+def test_convert_keeps_a_4bit_checkpoint_packed(tmp_path, method, group):
+    """``jaxllm convert`` of a 4-bit checkpoint: the same packed words, scales and zero points
+    (one group per row included), bit for bit, in either layer layout."""
+    from jaxllm.cli import main as cli_main
+
+    source = write_tiny(tmp_path, method, group)
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", source, out, "--dtype", "float32", "--no-unroll-layers"]) == 0
+    want = jaxllm.load_model(source, dtype="float32")
+    for unroll in (False, True):
+        got = jaxllm.load_model(out, unroll_layers=unroll)
+        assert got.quantization == want.quantization
+        kernel = got.params["layers"][0] if unroll else got.params["layers"]
+        assert isinstance(kernel["mlp"]["down_proj"]["kernel"], Int4Weight)
+        expected = want.with_layer_layout(unroll).params
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

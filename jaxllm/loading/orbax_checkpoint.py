@@ -26,8 +26,8 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.loading.dummy import param_shapes
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models.llama import unstack_layer_params
-from jaxllm.quantization import QuantizationConfig, quantize_leaf
-from jaxllm.quantization.config import INT4_METHODS
+from jaxllm.quantization import QuantizationConfig
+from jaxllm.quantization.apply import stand_in_shape
 
 METADATA_FILE = "jaxllm_checkpoint.json"
 # 2: Fp8Weight stored transposed (``qt`` [.., N, K], the FP8 GEMM's layout); a format-1
@@ -47,9 +47,6 @@ def save_converted(model: Any, out: str) -> None:
     if model.mesh is not None:
         raise ValueError("convert writes one-device checkpoints: load the source with "
                          "tensor_parallel_size 1 (the converted checkpoint loads at any size)")
-    if model.quantization is not None and model.quantization.method in INT4_METHODS:
-        raise ValueError(f"convert of {model.quantization.describe()} checkpoints is not "
-                         "supported yet: serve the checkpoint itself")
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ValueError(f"{out} exists and is not an empty directory: convert never "
@@ -123,7 +120,7 @@ class ConvertedCheckpoint:
 
         def build(shapes):
             params = jax.tree_util.tree_map_with_path(
-                lambda path, x: quantize_leaf(path, x, quantization), shapes)
+                lambda path, x: stand_in_shape(path, x, quantization), shapes)
             return unstack_layer_params(params) if self.unroll_layers else params
 
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

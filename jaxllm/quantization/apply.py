@@ -7,10 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxllm.layers.linear import Fp8Weight, Int8Weight, quantize_fp8, quantize_int8
-from jaxllm.quantization.config import QuantizationConfig
+from jaxllm.layers.linear import (
+    PER_WORD,
+    Fp8Weight,
+    Int4Weight,
+    Int8Weight,
+    quantize_fp8,
+    quantize_int8,
+)
+from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 
 # The decoder's projections; the embedding and the LM head stay in the compute dtype (as vLLM
 # keeps lm_head unquantized by default).
@@ -58,6 +66,20 @@ def _stand_in_shardings(stand_in: type, kernel: NamedSharding, ndim: int) -> Any
     if stand_in is Fp8Weight:
         return Fp8Weight(qt=named(*lead, n, k), scale=scale)
     return stand_in(q=kernel, scale=scale)
+
+
+def stand_in_shape(path: tuple, leaf: Any, config: QuantizationConfig | None) -> Any:
+    """What the float param ``leaf`` becomes under ``config``, for its shapes and dtypes only
+    (call it under ``jax.eval_shape``: ``jaxllm convert``'s restore target): a load-time
+    quantizer's stand-in, or the packed :class:`Int4Weight` a 4-bit checkpoint is read into
+    (zero-filled: its values come from the checkpoint, never from floats)."""
+    if config is None or config.method not in INT4_METHODS or not is_quantized_linear(path):
+        return quantize_leaf(path, leaf, config)
+    *lead, k, n = leaf.shape
+    groups = 1 if config.group_size == -1 else k // config.group_size
+    return Int4Weight(qweight=jnp.zeros((*lead, k // PER_WORD, n), jnp.int32),
+                      scales=jnp.zeros((*lead, groups, n), leaf.dtype),
+                      zeros=jnp.zeros((*lead, groups, n), jnp.uint8))
 
 
 def quantize_params(params: Any, config: QuantizationConfig | None, *,
