@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from test_loading import TINY_DIR, reference
-from tiny_models import PagedRunner
+from tiny_models import prompt_logits
 
 import jaxllm
 from jaxllm import ModelLoadError, SamplingParams
@@ -23,9 +23,25 @@ SOURCE = os.path.join(TINY_DIR, "llama3_rope_scaling")
 
 def logits(model):
     ids = reference("llama3_rope_scaling")["input_ids"].tolist()
-    params = model.with_layer_layout(False).params
-    return np.asarray(PagedRunner(model.config, params, block_size=8).run(
-        ids, [len(ids)], list(range(1, 1 + len(ids) // 8 + 1))))
+    return np.asarray(prompt_logits(model.with_layer_layout(False), ids))
+
+
+def assert_converts_bit_for_bit(source: str, tmp_path) -> dict:
+    """``jaxllm convert`` of ``source`` (float32, scanned layout) loaded back in either layer
+    layout: the quantization and every leaf's dtype and values of ``source`` loaded alike.
+    Returns {unroll_layers: the converted model}."""
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", source, out, "--dtype", "float32", "--no-unroll-layers"]) == 0
+    want = jaxllm.load_model(source, dtype="float32")
+    converted = {}
+    for unroll in (False, True):
+        got = converted[unroll] = jaxllm.load_model(out, unroll_layers=unroll)
+        assert got.quantization == want.quantization
+        expected = want.with_layer_layout(unroll).params
+        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return converted
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

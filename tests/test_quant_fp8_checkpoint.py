@@ -14,6 +14,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from test_convert import assert_converts_bit_for_bit
 from test_engine import run_all
 from tiny_models import prompt_logits
 
@@ -132,20 +133,7 @@ def test_other_schemes_are_refused_naming_what(case):
         resolve_quantization(None, _edited(change))
 
 
-
 def test_convert_keeps_an_fp8_checkpoint_as_it_is(tmp_path):
     """``jaxllm convert`` of an FP8 checkpoint: the same e4m3 weights and scales, bit for bit,
     in either layer layout."""
-    from jaxllm.cli import main as cli_main
-
-    source = os.path.join(FIXTURES, "fp8_tensor")
-    out = str(tmp_path / "converted")
-    assert cli_main(["convert", source, out, "--dtype", "float32", "--no-unroll-layers"]) == 0
-    want = jaxllm.load_model(source, dtype="float32")
-    for unroll in (False, True):
-        got = jaxllm.load_model(out, unroll_layers=unroll)
-        assert got.quantization == want.quantization
-        expected = want.with_layer_layout(unroll).params
-        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert_converts_bit_for_bit(os.path.join(FIXTURES, "fp8_tensor"), tmp_path)

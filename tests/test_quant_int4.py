@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from reference.make_awq_smollm2 import quantize_checkpoint, write_checkpoint
 from safetensors.numpy import load_file, save_file
+from test_convert import assert_converts_bit_for_bit
 
 import jaxllm
 from jaxllm.errors import ModelLoadError
@@ -173,18 +174,7 @@ def test_legacy_autoawq_quant_config_json_is_read_with_the_flag(tmp_path):
 def test_convert_keeps_a_4bit_checkpoint_packed(tmp_path, method, group):
     """``jaxllm convert`` of a 4-bit checkpoint: the same packed words, scales and zero points
     (one group per row included), bit for bit, in either layer layout."""
-    from jaxllm.cli import main as cli_main
-
-    source = write_tiny(tmp_path, method, group)
-    out = str(tmp_path / "converted")
-    assert cli_main(["convert", source, out, "--dtype", "float32", "--no-unroll-layers"]) == 0
-    want = jaxllm.load_model(source, dtype="float32")
-    for unroll in (False, True):
-        got = jaxllm.load_model(out, unroll_layers=unroll)
-        assert got.quantization == want.quantization
-        kernel = got.params["layers"][0] if unroll else got.params["layers"]
-        assert isinstance(kernel["mlp"]["down_proj"]["kernel"], Int4Weight)
-        expected = want.with_layer_layout(unroll).params
-        for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(expected), strict=True):
-            assert a.dtype == b.dtype
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    converted = assert_converts_bit_for_bit(write_tiny(tmp_path, method, group), tmp_path)
+    for unroll, model in converted.items():
+        layers = model.params["layers"][0] if unroll else model.params["layers"]
+        assert isinstance(layers["mlp"]["down_proj"]["kernel"], Int4Weight)
