@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.linear import FP8_DTYPE, PER_WORD, Fp8Weight, Int4Weight
 from jaxllm.model_config import ModelConfig
+from jaxllm.parallel.sharding import path_names
 from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 from jaxllm.quantization.int4_checkpoint import (
     Int4Linear,
@@ -120,7 +121,7 @@ def replicate_kv_heads(params: Any, checkpoint: ModelConfig, config: ModelConfig
     index = jnp.asarray([old[int(p), int(r)] for p, r in zip(parts, rows, strict=True)])
 
     def expand(path, leaf):
-        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        names = path_names(path)
         if "qkv_proj" not in names:
             return leaf
         # Fp8Weight's qt is the kernel transposed, [.., N, K]: its columns are rows.

@@ -93,8 +93,15 @@ def kv_head_source(config: ModelConfig, checkpoint_kv_heads: int) -> list[int]:
     return [head // repeat for head in range(config.num_key_value_heads)]
 
 
-def _leaf_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool) -> PartitionSpec:
-    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+def path_names(path: tuple) -> list:
+    """A pytree path's keys as names: dict keys, and the field names of a quantized kernel's
+    parts (Int8Weight.q, Fp8Weight.qt, .scale, ...)."""
+    return [getattr(k, "key", getattr(k, "name", None)) for k in path]
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool = True) -> PartitionSpec:
+    """The table's spec of the param leaf at ``path`` (a quantized kernel's part included)."""
+    names = path_names(path)
     part = None
     if len(names) >= 3 and names[-2] == "kernel":  # a quantized kernel's part (linear.py)
         names, part = names[:-1], names[-1]
@@ -118,7 +125,7 @@ def param_shardings(params: Any, mesh: Mesh, config: ModelConfig) -> Any:
     replicated."""
     vocab_split = config.vocab_size % mesh.shape[TP_AXIS] == 0
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, _leaf_spec(path, tuple(leaf.shape), vocab_split)),
+        lambda path, leaf: NamedSharding(mesh, param_spec(path, tuple(leaf.shape), vocab_split)),
         params)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from jaxllm.layers.linear import (
     PER_WORD,
@@ -18,6 +18,7 @@ from jaxllm.layers.linear import (
     quantize_fp8,
     quantize_int8,
 )
+from jaxllm.parallel.sharding import param_spec, path_names
 from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 
 # The decoder's projections; the embedding and the LM head stay in the compute dtype (as vLLM
@@ -25,10 +26,6 @@ from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 QUANTIZED_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # method -> (the stand-in's type, the load-time quantizer of a float kernel)
 QUANTIZERS = {"int8": (Int8Weight, quantize_int8), "fp8": (Fp8Weight, quantize_fp8)}
-
-
-def path_names(path: tuple) -> list:
-    return [getattr(k, "key", getattr(k, "name", None)) for k in path]
 
 
 def is_quantized_linear(path: tuple) -> bool:
@@ -46,26 +43,17 @@ def quantize_leaf(path: tuple, leaf: jax.Array, config: QuantizationConfig | Non
         return leaf
     if config.method not in QUANTIZERS:
         raise ValueError(f"{config.describe()}: no load-time quantizer")
-    stand_in, quantize = QUANTIZERS[config.method]
+    _, quantize = QUANTIZERS[config.method]
     sharding = getattr(leaf, "sharding", None)
     out = {}
-    if isinstance(sharding, NamedSharding):
-        out = {"out_shardings": _stand_in_shardings(stand_in, sharding, leaf.ndim)}
+    if isinstance(sharding, NamedSharding):  # each part where the sharding table puts it
+        out = {"out_shardings": jax.tree_util.tree_map_with_path(
+            lambda part, x: NamedSharding(sharding.mesh, param_spec((*path, *part), x.shape)),
+            jax.eval_shape(quantize, leaf))}
     quantized = jax.jit(quantize, **out)(leaf)
     if donate:
         leaf.delete()
     return quantized
-
-
-def _stand_in_shardings(stand_in: type, kernel: NamedSharding, ndim: int) -> Any:
-    """Where a quantized kernel's parts go: split as the kernel [.., K, N] (Fp8Weight's
-    transposed weight with the two axes swapped), the per-column scale as its output axis."""
-    *lead, k, n = tuple(kernel.spec) + (None,) * (ndim - len(kernel.spec))
-    named = lambda *spec: NamedSharding(kernel.mesh, PartitionSpec(*spec))
-    scale = named(*lead, n)
-    if stand_in is Fp8Weight:
-        return Fp8Weight(qt=named(*lead, n, k), scale=scale)
-    return stand_in(q=kernel, scale=scale)
 
 
 def stand_in_shape(path: tuple, leaf: Any, config: QuantizationConfig | None) -> Any:
