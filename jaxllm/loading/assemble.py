@@ -135,6 +135,20 @@ def gate_up_columns(intermediate_size: int) -> tuple[np.ndarray, np.ndarray]:
     return np.tile([0, 1], intermediate_size), np.repeat(np.arange(intermediate_size), 2)
 
 
+def fill_fused(block: np.ndarray, columns: tuple[np.ndarray, np.ndarray], outs: np.ndarray,
+               sources: list, read: Callable[[Any, np.ndarray], np.ndarray], *,
+               axis: int = -1) -> np.ndarray:
+    """Fills ``block``'s fused outputs ``outs`` (along ``axis``) from their sources: each
+    ``columns`` part reads only its own rows, ``read(source, rows)``, outputs along ``axis``."""
+    parts, rows = columns
+    for part, source in enumerate(sources):
+        mask = parts[outs] == part
+        if mask.any():
+            np.moveaxis(block, axis, 0)[mask] = np.moveaxis(read(source, rows[outs[mask]]),
+                                                            axis, 0)
+    return block
+
+
 def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
               available: set[str], dtype: Any, source: str, *, unroll_layers: bool,
               quantization: QuantizationConfig | None = None) -> Any:
@@ -170,26 +184,22 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
         return Leaf((inp, out), lambda idx: cast(load(name)[idx[1], idx[0]].T))
 
     def fused(names: list[str], columns: tuple[np.ndarray, np.ndarray], bias: bool) -> Leaf:
-        parts, rows = columns
+        parts = columns[0]
         inp = None if bias else expected[names[0]][1]
 
         def read(idx: Index) -> np.ndarray:
             cols = np.arange(len(parts))[idx[-1]]
             width = 0 if bias else len(range(inp)[idx[0]])
             block = np.empty((len(cols),) if bias else (width, len(cols)), dtype)
-            for part, name in enumerate(names):
-                mask = parts[cols] == part
-                if mask.any():
-                    values = load(name)[rows[cols[mask]]]  # only these rows are read
-                    block[..., mask] = cast(values if bias else values[:, idx[0]].T)
-            return block
+            return fill_fused(block, columns, cols, names, lambda name, r: cast(
+                load(name)[r] if bias else load(name)[r][:, idx[0]].T))
 
         return Leaf((len(parts),) if bias else (inp, len(parts)), read)
 
     def int4(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray]) -> Int4Weight:
         """The fused kernel of ``prefixes`` as packed words, scales and zero points, each
         read in blocks like ``fused`` (the words' rows are K / 8, the others' G)."""
-        parts, rows = columns
+        parts = columns[0]
         k = linear_in_out(checkpoint)[prefixes[0].split(".", 3)[-1]][0]
         sources = [Int4Linear(p, k, quantization, load) for p in prefixes]
 
@@ -197,11 +207,8 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
             def read(idx: Index) -> np.ndarray:
                 block_rows, cols = range(height)[idx[0]], np.arange(len(parts))[idx[1]]
                 block = np.empty((len(block_rows), len(cols)), out_dtype)
-                for part, source in enumerate(sources):
-                    mask = parts[cols] == part
-                    if mask.any():
-                        block[:, mask] = read_part(source, block_rows, rows[cols[mask]])
-                return block
+                return fill_fused(block, columns, cols, sources,
+                                  lambda source, r: read_part(source, block_rows, r))
 
             return Leaf((height, len(parts)), read)
 
@@ -213,29 +220,21 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
     def fp8(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray]) -> Fp8Weight:
         """The fused kernel of ``prefixes`` as stored: e4m3 rows [out, in] (Fp8Weight's
         K-major ``qt``) and one float32 scale per output (a per-tensor scale repeated)."""
-        parts, rows = columns
+        parts = columns[0]
         inp = expected[prefixes[0] + ".weight"][1]
 
-        def gather(read_rows: Callable[[str, np.ndarray], np.ndarray], outs: np.ndarray,
-                   block: np.ndarray) -> np.ndarray:
-            for part, prefix in enumerate(prefixes):
-                mask = parts[outs] == part
-                if mask.any():
-                    block[mask] = read_rows(prefix, rows[outs[mask]])
-            return block
-
-        def read_qt(idx: Index) -> np.ndarray:
+        def read_qt(idx: Index) -> np.ndarray:  # outputs on axis 0: [out, in]
             outs, ins = np.arange(len(parts))[idx[0]], range(inp)[idx[1]]
             block = np.empty((len(outs), len(ins)), FP8_DTYPE)
-            return gather(lambda p, r: load(p + ".weight")[r][:, ins.start:ins.stop:ins.step],
-                          outs, block)
+            return fill_fused(block, columns, outs, prefixes, lambda p, r: load(
+                p + ".weight")[r][:, ins.start:ins.stop:ins.step], axis=0)
 
         def read_scale(idx: Index) -> np.ndarray:
             outs = np.arange(len(parts))[idx[0]]
             per_tensor = quantization.weight_strategy == "tensor"
-            return gather(lambda p, r: np.asarray(load(p + ".weight_scale"), np.float32)
-                          .reshape(-1)[np.zeros_like(r) if per_tensor else r],
-                          outs, np.empty(len(outs), np.float32))
+            return fill_fused(np.empty(len(outs), np.float32), columns, outs, prefixes,
+                              lambda p, r: np.asarray(load(p + ".weight_scale"), np.float32)
+                              .reshape(-1)[np.zeros_like(r) if per_tensor else r])
 
         return Fp8Weight(qt=Leaf((len(parts), inp), read_qt),
                          scale=Leaf((len(parts),), read_scale))
