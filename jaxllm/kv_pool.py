@@ -19,6 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxllm.layers.linear import FP8_DTYPE, FP8_MAX
 from jaxllm.parallel.sharding import kv_pool_shardings
 
 NULL_BLOCK = 0
@@ -163,15 +164,14 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
     )
 
 
-FP8_KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
-FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)  # 448
+FP8_KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
 
 def to_pool_dtype(x: jax.Array, dtype) -> jax.Array:
     """``x`` as the pool stores it. An FP8 pool (``--kv-cache-dtype fp8``) stores K and V with
     a scale of 1, as vLLM does without calibrated scales, saturating at e4m3's largest value
     (a plain cast would make anything past it NaN)."""
-    if jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn):
+    if jnp.dtype(dtype) == jnp.dtype(FP8_DTYPE):
         x = jnp.clip(x.astype(jnp.float32), -FP8_MAX, FP8_MAX)
     return x.astype(dtype)
 
