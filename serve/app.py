@@ -19,14 +19,14 @@ from jaxllm.serve.security import CORS
 from jaxllm.serve.state import ServerState
 from jaxllm.serve.stats import StatsLogger
 
-from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.engine.engine_client import EngineClient
 
 logger = logging.getLogger("serve")
 # No API key needed (serve/openapi.py mirrors this set).
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics", "/version", "/openapi.json"})
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> web.Application:
+def build_app(engine: EngineClient, config: ServerConfig) -> web.Application:
     """The app for an engine whose loop is (or will be) started by the caller."""
     state = ServerState(engine, config)
     cors = CORS(config.allowed_origins, config.allowed_methods, config.allowed_headers,

@@ -22,7 +22,7 @@ from jaxllm.serve.prompts import check_context
 from jaxllm.serve.protocol import MAX_PROMPTS, Fields, check_token_ids
 from jaxllm.serve.state import ServerState, Ticket
 
-from jaxllm.engine.async_engine import EngineDeadError
+from jaxllm.engine.engine_client import EngineDeadError
 from jaxllm.engine.outputs import EmbeddingRequestOutput
 from jaxllm.pooling_params import PoolingParams
 

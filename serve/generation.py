@@ -25,7 +25,7 @@ from jaxllm.serve.protocol import GenerationRequest, parse_chat, parse_completio
 from jaxllm.serve.responses import DONE, ResponseBuilder, sse
 from jaxllm.serve.state import ServerState, Ticket
 
-from jaxllm.engine.async_engine import EngineDeadError
+from jaxllm.engine.engine_client import EngineDeadError
 from jaxllm.engine.outputs import RequestOutput
 
 logger = logging.getLogger("serve")

@@ -171,8 +171,11 @@ class _EngineCollector(Collector):
             gauges.append(("device_memory_limit_bytes", "Device memory the runtime may use",
                            s.device_memory_limit))
         if self.memory is not None and self.memory.host_rss is not None:
-            gauges.append(("host_rss_bytes", "Host resident memory (memory monitor sample)",
-                           self.memory.host_rss))
+            gauges.append(("host_rss_bytes", "Host resident memory of this server process "
+                           "(memory monitor sample)", self.memory.host_rss))
+        if self.memory is not None and self.memory.engine_rss is not None:
+            gauges.append(("engine_host_rss_bytes", "Host resident memory of the engine-core "
+                           "process (memory monitor sample)", self.memory.engine_rss))
         for name, doc, value in gauges:
             family = GaugeMetricFamily(f"jaxllm:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)

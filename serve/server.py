@@ -26,14 +26,14 @@ from jaxllm.serve.generation import STATE
 from jaxllm.serve.security import ssl_context
 from jaxllm.serve.state import ServerState
 
-from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.engine.engine_client import EngineClient
 
 logger = logging.getLogger("serve")
 ABORT_GRACE = 5.0  # seconds for aborted requests to send their last chunk
 ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks that the engine loop is alive
 
 
-async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio.Event,
+async def run_server(engine: EngineClient, config: ServerConfig, stop: asyncio.Event,
                      on_ready: Callable[[web.Application, list], None] | None = None) -> int:
     """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring).
     Returns the exit status: 0, or 1 when it stopped because the engine died."""
@@ -65,7 +65,7 @@ async def run_server(engine: AsyncLLMEngine, config: ServerConfig, stop: asyncio
     return 1 if engine.dead_error is not None and watcher is not None else 0
 
 
-async def _stop_when_dead(engine: AsyncLLMEngine, stop: asyncio.Event) -> None:
+async def _stop_when_dead(engine: EngineClient, stop: asyncio.Event) -> None:
     """As vLLM: once the engine has died (its requests in flight got their 500s), the server
     stops and exits non-zero, for the orchestrator to restart it."""
     while engine.dead_error is None:
@@ -89,7 +89,7 @@ async def drain(state: ServerState, timeout: float) -> None:
     logger.info("drained; stopping")
 
 
-def serve_forever(engine: AsyncLLMEngine, config: ServerConfig) -> int:
+def serve_forever(engine: EngineClient, config: ServerConfig) -> int:
     """Blocks until SIGTERM/SIGINT (or the engine's death) and the drain that follows; stops
     the engine loop; returns the exit status (``run_server``'s)."""
 
@@ -123,7 +123,7 @@ class BackgroundServer:
             requests.get(server.url + "/health")
     """
 
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+    def __init__(self, engine: EngineClient, config: ServerConfig):
         self.engine = engine
         self.config = config
         self.app: web.Application | None = None

@@ -16,8 +16,7 @@ from jaxllm.serve.metrics import Metrics
 from jaxllm.serve.protocol import GenerationRequest
 from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 
-from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.engine_client import EngineClient, EngineDeadError
 
 logger = logging.getLogger("serve")
 
@@ -55,16 +54,16 @@ class Ticket:
 
 
 class ServerState:
-    def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+    def __init__(self, engine: EngineClient, config: ServerConfig):
         self.engine = engine
         self.config = config
-        llm = engine.engine  # only its frozen config and the model are read from here
-        self.tokenizer = llm.tokenizer
-        self.max_model_len: int = llm.config.max_model_len
-        self.max_num_seqs: int = llm.config.max_num_seqs
-        self.vocab_size: int = llm.model.config.vocab_size
-        self._grammars = llm.structured  # thread-safe compiler cache, shared with the engine
-        self.model_names = config.served_model_name or (llm.config.model or llm.model.name,)
+        info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.max_model_len: int = info.max_model_len
+        self.max_num_seqs: int = info.max_num_seqs
+        self.vocab_size: int = info.vocab_size
+        self._grammars = engine.structured  # thread-safe compiler cache
+        self.model_names = config.served_model_name or (info.model_name,)
         self.model_name = self.model_names[0]
         self.created = int(time.time())
         self.admission = Admission(config.max_queue_len)
@@ -78,16 +77,15 @@ class ServerState:
         self.snapshots = SnapshotCache(engine)
         self.memory = (MemoryMonitor(self.snapshots, config.memory_monitor_interval)
                        if config.memory_monitor else None)
-        plan = llm.kv_plan
         self.metrics = Metrics(self.model_name, self.max_model_len, {
-            "block_size": str(llm.config.block_size),
-            "num_gpu_blocks": str(plan.num_gpu_blocks),
-            "num_cpu_blocks": str(plan.num_cpu_blocks),
+            "block_size": str(info.block_size),
+            "num_gpu_blocks": str(info.num_gpu_blocks),
+            "num_cpu_blocks": str(info.num_cpu_blocks),
             "max_num_seqs": str(self.max_num_seqs),
             "max_model_len": str(self.max_model_len),
-            "max_num_batched_tokens": str(llm.config.max_num_batched_tokens),
-            "gpu_memory_utilization": str(llm.config.gpu_memory_utilization),
-            "enable_prefix_caching": str(llm.config.enable_prefix_caching),
+            "max_num_batched_tokens": str(info.max_num_batched_tokens),
+            "gpu_memory_utilization": str(info.gpu_memory_utilization),
+            "enable_prefix_caching": str(info.enable_prefix_caching),
         }, self.snapshots, self.memory)
 
     # --------------------------------------------------------------------- health
@@ -143,24 +141,13 @@ class ServerState:
     async def abort_unfinished(self) -> int:
         """Aborts the requests of this server that the engine still runs; returns how many.
 
-        Decided on the engine thread between two steps, so the count is exact: a request that
+        Decided by the engine between two steps, so the count is exact: a request that
         has finished in the engine but whose handler has not yet read its final output (still
         in ``active``) is not aborted and not counted, and every request counted ends with
         ``finish_reason="abort"``. Requests still being tokenized get 503 (``aborting``)."""
         self.aborting = True
-        ids = set(self.active)
-
-        def abort(engine: LLMEngine) -> int:
-            scheduler = engine.scheduler
-            unfinished = [group.request_id
-                          for queue in (scheduler.waiting, scheduler.running, scheduler.swapped)
-                          for group in queue if group.request_id in ids]
-            for request_id in unfinished:  # queued behind this call: applied before a step
-                self.engine.abort(request_id)
-            return len(unfinished)
-
         try:
-            return await self.engine.run_in_engine(abort)
+            return await self.engine.abort_unfinished(set(self.active))
         except EngineDeadError:  # its requests have failed already
             return 0
 

@@ -9,37 +9,49 @@ flight with :class:`EngineDeadError` and stops the loop (``/health`` turns 503).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from jaxllm.engine.engine_client import EngineClient, EngineDeadError, EngineInfo
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.snapshot import EngineSnapshot, take_snapshot, unfinished_request_ids
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError"]
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped after an error; no request can be served."""
-
-
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine, *, idle_wait: float = 0.05):
+        super().__init__()
         self.engine = engine
         engine.stream_outputs = True  # every step's partial outputs feed the streams
         self._idle_wait = idle_wait
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.dead_error: BaseException | None = None
         self.last_step_time = 0.0
+
+    @functools.cached_property
+    def info(self) -> EngineInfo:
+        return EngineInfo.of(self.engine)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def structured(self) -> Any:
+        return self.engine.structured
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
@@ -58,70 +70,25 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # ----------------------------------------------------------------- requests
-    async def generate(self, request_id: str, prompt: str | None = None,
-                       params: SamplingParams | PoolingParams | None = None, *,
-                       prompt_token_ids: list[int] | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields RequestOutputs (as ``params.output_kind`` asks) until the request finishes
-        (an embedding request, ``PoolingParams``: one EmbeddingRequestOutput when it does).
-        Raises ValueError for bad input (before anything is queued) and EngineDeadError if the
-        engine dies. Closing the iterator early (client gone) aborts the request."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
-        delta = getattr(params, "output_kind", None) is RequestOutputKind.DELTA
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        added: asyncio.Future = loop.create_future()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = (loop, stream)
+    def _add(self, request_id: str, prompt: str | None,
+             params: SamplingParams | PoolingParams | None,
+             prompt_token_ids: list[int] | None, priority: int) -> None:
+        loop, stream = self._streams[request_id]
 
         def add() -> None:
             if self.dead_error is not None:
                 error = EngineDeadError(f"engine is dead: {self.dead_error!r}")
-                loop.call_soon_threadsafe(_resolve, added, error)
+                loop.call_soon_threadsafe(stream.put_nowait, error)
                 return
             try:
                 self.engine.add_request(request_id, prompt, params,
                                         prompt_token_ids=prompt_token_ids,
                                         arrival_time=time.monotonic(), priority=priority)
-                loop.call_soon_threadsafe(_resolve, added, None)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_resolve, added, e)
+                loop.call_soon_threadsafe(stream.put_nowait, e)
 
-        finished = False
-        try:
-            self._submit(add)
-            error = await added
-            if error is not None:
-                raise error
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                # When several outputs wait (the consumer fell behind the engine), they go out
-                # as one: the newest cumulative output holds them all, delta outputs are
-                # merged. That saves the consumer one write per step it missed. An error
-                # behind them is raised on the next get.
-                while not item.finished and not stream.empty():
-                    newer = stream.get_nowait()
-                    if isinstance(newer, BaseException):
-                        stream.put_nowait(newer)
-                        break
-                    item = item.merge(newer) if delta else newer
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.dead_error is None:
-                self.abort(request_id)
+        self._submit(add)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request from any thread; its blocks are freed before the next step."""
@@ -142,6 +109,19 @@ class AsyncLLMEngine:
 
         self._submit(call)
         return future
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.run_in_engine(take_snapshot)
+
+    async def abort_unfinished(self, request_ids: Iterable[str]) -> int:
+        ids = set(request_ids)
+
+        def abort(engine: LLMEngine) -> int:
+            unfinished = unfinished_request_ids(engine, ids)
+            self._deliver(engine.abort_request(unfinished))
+            return len(unfinished)
+
+        return await self.run_in_engine(abort)
 
     def _submit(self, command: Callable[[], None]) -> None:
         if self.dead_error is not None:
@@ -190,8 +170,7 @@ class AsyncLLMEngine:
     def _die(self, error: BaseException) -> None:
         self.dead_error = error
         dead = EngineDeadError(f"engine step failed: {error!r}")
-        for loop, stream in list(self._streams.values()):
-            loop.call_soon_threadsafe(stream.put_nowait, dead)
+        self._fail_all(dead)
         self._drain_failed_commands(dead)
 
     def _drain_failed_commands(self, error: BaseException) -> None:
