@@ -25,6 +25,8 @@ CHAT_TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_
 MEMORY_MONITOR_ENV = "JAXLLM_MEMORY_MONITOR"
 # vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: stay up (health 503) instead of exiting 1.
 KEEP_ALIVE_ENV = "JAXLLM_KEEP_ALIVE_ON_ENGINE_DEATH"
+# vLLM's VLLM_ENABLE_V1_MULTIPROCESSING: 0 runs the engine on a thread of the server process.
+MULTIPROCESSING_ENV = "JAXLLM_ENABLE_MULTIPROCESSING"
 MEMORY_MONITOR_INTERVAL_ENV = "JAXLLM_MEMORY_MONITOR_INTERVAL"
 
 
@@ -66,6 +68,10 @@ class ServerConfig:
     allow_credentials: bool = False
     # False (vLLM's behaviour): when the engine dies the server stops and exits 1.
     keep_alive_on_engine_death: bool = False
+    # The engine in its own process (the default, as vLLM's V1), served by this many HTTP
+    # front-end processes; False: the engine on a thread of the one server process.
+    engine_process: bool = True
+    api_server_count: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -92,6 +98,11 @@ class ServerConfig:
         need(self.tool_call_parser in (None, *TOOL_CALL_PARSERS),
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
              f"{self.tool_call_parser!r}")
+        need(self.api_server_count >= 1,
+             f"--api-server-count={self.api_server_count} must be >= 1")
+        need(self.engine_process or self.api_server_count == 1,
+             f"--api-server-count={self.api_server_count} needs the engine in its own process "
+             f"(unset {MULTIPROCESSING_ENV}=0)")
         security.check_tls_files(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs,
                                  self.ssl_cert_reqs)
 
@@ -120,6 +131,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     front.add_argument("--request-body-timeout", type=float, default=30.0,
                        help="seconds a request's body may take to arrive before a 408 (a "
                             "client that sends it slowly holds a connection no longer)")
+    front.add_argument("--api-server-count", type=int, default=1,
+                       help="HTTP front-end processes (tokenizing, rendering and streaming) "
+                            "sharing the port, each talking to the one engine-core process")
     front.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may run after SIGTERM before they "
                             "are aborted")
@@ -233,6 +247,8 @@ def configs_from_args(args: argparse.Namespace,
         enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
         memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
         keep_alive_on_engine_death=environ.get(KEEP_ALIVE_ENV, "0") not in ("", "0", "false"),
+        engine_process=environ.get(MULTIPROCESSING_ENV, "1") not in ("", "0", "false"),
+        api_server_count=args.api_server_count,
         memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -1,14 +1,24 @@
-"""``python -m jaxllm.serve [MODEL] [flags]`` (also ``jaxllm serve``): load, serve, drain."""
+"""``python -m jaxllm.serve [MODEL] [flags]`` (also ``jaxllm serve``): load, serve, drain.
+
+As vLLM's V1 does, the engine steps in its own process (:mod:`jaxllm.engine.core_process`)
+and this process serves HTTP; ``--api-server-count N`` > 1 serves from N front-end processes
+on one shared listening socket (:mod:`jaxllm.serve.frontends`). ``JAXLLM_ENABLE_MULTIPROCESSING
+=0`` keeps the engine on a thread of this process instead.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-from jaxllm.serve.args import build_parser, configs_from_args
+from jaxllm.serve.args import ServerConfig, build_parser, configs_from_args
 from jaxllm.serve.server import serve_forever
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
+from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_process import EngineStartError, launch_engine_core
+from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import JaxLLMError
 
@@ -24,6 +34,34 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # exits 2, before anything is loaded
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: "
                                                    "%(message)s")
+    if not server_config.engine_process:
+        return _serve_in_process(engine_config, server_config)
+    try:
+        handle = launch_engine_core(engine_config, server_config.api_server_count)
+    except EngineStartError as e:
+        print(f"jaxllm serve: error: {e}", file=sys.stderr)
+        return 1
+    # The front ends never compute: they must not take the accelerator the core uses (JAX
+    # would claim 75% of its memory on first use).
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    if server_config.api_server_count > 1:
+        from jaxllm.serve.frontends import run_front_ends
+
+        return run_front_ends(handle, server_config)
+    client = EngineCoreClient.for_handle(handle)
+    try:
+        return serve_forever(client, server_config)
+    except OSError as e:  # e.g. the port is taken
+        print(f"jaxllm serve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.shutdown()
+
+
+def _serve_in_process(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
         engine = LLMEngine(engine_config)
     except (JaxLLMError, ValueError, OSError) as e:

@@ -8,12 +8,14 @@ app, so several servers can live in one process (tests).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
 from jaxllm.serve.stats import MemoryMonitor, SnapshotCache
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from jaxllm.engine.outputs import RequestOutput
@@ -40,7 +42,8 @@ class Metrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         name = ["model_name"]
-        Info("jaxllm:cache_config", "KV cache and engine settings", registry=r).info(engine_info)
+        info = Info("jaxllm:cache_config", "KV cache and engine settings", registry=r)
+        info.info(engine_info)
         self.http = Counter("jaxllm:http_requests", "HTTP responses by route, method and status "
                             "code (499: client went away)", ["handler", "method", "status"],
                             registry=r)
@@ -65,10 +68,20 @@ class Metrics:
                                             registry=r).labels(model_name)
         self.request_n = Histogram("jaxllm:request_params_n", "The n parameter", name,
                                    buckets=(1, 2, 5, 10, 20), registry=r).labels(model_name)
-        r.register(_EngineCollector(model_name, snapshots, memory))
+        engine = _EngineCollector(model_name, snapshots, memory)
+        r.register(engine)
+        self.export = r
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Several front-end processes (--api-server-count): counters and histograms are
+            # kept in files there by every process, and summed here; the engine's state and
+            # the settings are the same in each, so this process's are exported.
+            self.export = CollectorRegistry()
+            MultiProcessCollector(self.export)
+            self.export.register(info)
+            self.export.register(engine)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.export)
 
     def tracker(self, arrival: float, n: int) -> RequestTracker:
         return RequestTracker(self, arrival, n)

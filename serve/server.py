@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable
 
@@ -34,9 +35,13 @@ ENGINE_WATCH_INTERVAL = 0.1  # seconds between checks that the engine loop is al
 
 
 async def run_server(engine: EngineClient, config: ServerConfig, stop: asyncio.Event,
-                     on_ready: Callable[[web.Application, list], None] | None = None) -> int:
+                     on_ready: Callable[[web.Application, list], None] | None = None,
+                     sock: socket.socket | None = None) -> int:
     """Serves ``engine`` until ``stop`` is set, then drains (see the module docstring).
-    Returns the exit status: 0, or 1 when it stopped because the engine died."""
+    ``sock``: a listening socket to serve on (shared by several front-end processes) instead
+    of binding ``config``'s host and port. Returns the exit status: 0, or 1 when it stopped
+    because the engine died."""
+    await engine.attach()
     app = build_app(engine, config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
                            access_log=None if config.disable_log_requests else
@@ -47,7 +52,8 @@ async def run_server(engine: EngineClient, config: ServerConfig, stop: asyncio.E
     try:
         tls = ssl_context(config.ssl_keyfile, config.ssl_certfile, config.ssl_ca_certs,
                           config.ssl_cert_reqs)
-        site = web.TCPSite(runner, config.host, config.port, ssl_context=tls)
+        site = (web.SockSite(runner, sock, ssl_context=tls) if sock is not None else
+                web.TCPSite(runner, config.host, config.port, ssl_context=tls))
         await site.start()
         state = app[STATE]
         scheme = "https" if tls is not None else "http"
@@ -89,7 +95,9 @@ async def drain(state: ServerState, timeout: float) -> None:
     logger.info("drained; stopping")
 
 
-def serve_forever(engine: EngineClient, config: ServerConfig) -> int:
+def serve_forever(engine: EngineClient, config: ServerConfig,
+                  sock: socket.socket | None = None,
+                  stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> int:
     """Blocks until SIGTERM/SIGINT (or the engine's death) and the drain that follows; stops
     the engine loop; returns the exit status (``run_server``'s)."""
 
@@ -104,10 +112,10 @@ def serve_forever(engine: EngineClient, config: ServerConfig) -> int:
                     state.abort_all()
             stop.set()
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals:
             loop.add_signal_handler(sig, on_signal)
         return await run_server(engine, config, stop,
-                                lambda app, _: states.append(app[STATE]))
+                                lambda app, _: states.append(app[STATE]), sock)
 
     engine.start()
     try:

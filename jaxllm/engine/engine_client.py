@@ -75,6 +75,10 @@ class EngineClient:
     def shutdown(self, timeout: float = 10.0) -> None:
         raise NotImplementedError
 
+    async def attach(self) -> None:
+        """Called on the front end's event loop before it serves (a client of another process
+        connects there)."""
+
     def _add(self, request_id: str, prompt: str | None,
              params: SamplingParams | PoolingParams | None,
              prompt_token_ids: list[int] | None, priority: int) -> None:
