@@ -59,6 +59,9 @@ def test_a_swap_space_the_host_cannot_hold_is_refused_at_start_up(model, monkeyp
 
 
 def test_serve_prints_the_allocation_that_failed_and_exits_1(model, capsys, monkeypatch):
+    # The engine in this process, where the stand-in loader applies (through the engine-core
+    # process: tests/test_engine_process.py).
+    monkeypatch.setenv("JAXLLM_ENABLE_MULTIPROCESSING", "0")
     monkeypatch.setattr(llm_engine, "load_model", lambda *args, **kwargs: model)
     code = serve_main(["smollm2-135m", "--load-format", "dummy", "--enforce-eager",
                        "--num-gpu-blocks-override", str(impossible_blocks(16))])
