@@ -103,11 +103,10 @@ class Replay:
         return SimpleNamespace(sampled=sampled, logprob=np.zeros(n, np.float32),
                                top_ids=None, top_logprobs=None)
 
-    def live(self, step) -> list:
+    def live(self, step) -> tuple:
         """The arguments of ``StructuredOutputs.jobs`` for the step's constrained rows."""
-        return [(r, row.seq.seq_id, row.group.params.structured_outputs, list)
-                for r, row in enumerate(step.out.sample_rows)
-                if row.group.params.structured_outputs is not None]
+        return step.constrained, [step.out.sample_rows[r].seq.seq_id
+                                  for r in step.constrained], None
 
     def record(self, step, result, grammar_done) -> None:
         for r, row in enumerate(step.out.sample_rows):
@@ -138,14 +137,14 @@ def measure(engine, tokenizer_size: int, rows: int, args) -> dict:
         t3 = time.perf_counter()
         fill_thread = stats.bitmask_fill_seconds - fill_before
         # The fill's own cost, engine thread idle (a fill does not change the matchers).
-        jobs = engine.structured.jobs(replay.live(step))
+        jobs = engine.structured.jobs(*replay.live(step))
         t4 = time.perf_counter()
         engine.structured.fill(jobs, args.batch)
         t5 = time.perf_counter()
         result = replay.sample(bitmask, step)
         time.sleep(args.device_ms / 1e3)  # the engine waits for the device before the accept
         t6 = time.perf_counter()
-        done = LLMEngine._accept_grammar_tokens(engine, step.out, result, step.positions)
+        done = LLMEngine._accept_grammar_tokens(engine, step, result)
         t7 = time.perf_counter()
         replay.record(step, result, done)
         if i >= args.warmup:
@@ -177,8 +176,8 @@ def make_engine(vocab_size: int, tokenizer_file: str | None):
         checkpoint = GGUFCheckpoint(default_model_path())
         tokenizer = tokenizer_from_gguf(checkpoint.metadata)
         engine.eos_token_ids = tuple(checkpoint.config.eos_token_ids)
-    engine.structured = StructuredOutputs(GrammarCompiler(tokenizer, vocab_size,
-                                                          engine.eos_token_ids))
+    compiler = GrammarCompiler(tokenizer, vocab_size, engine.eos_token_ids)
+    engine.structured = StructuredOutputs(compiler)
     engine.stats = EngineStats()
     engine.structured.compiler.ll_tokenizer  # noqa: B018 (the index, built once, untimed)
     return engine, len(tokenizer)

@@ -153,7 +153,7 @@ def test_bitmask_bits_are_the_grammars_tokens(smollm2_header):
     compiler = GrammarCompiler(tok, config.vocab_size, config.eos_token_ids)
     outputs = StructuredOutputs(compiler)
     spec = StructuredOutputsParams(choice=["yes", "no"])
-    mask = outputs.fill(outputs.jobs([(1, 7, spec, list)]), num_rows=3)
+    mask = outputs.fill(outputs.jobs([1], [7], lambda i: (spec, [])), num_rows=3)
     vocab = config.vocab_size
     allowed = np.asarray(unpack_bitmask(jnp.asarray(mask), vocab))
     assert allowed[0].all() and allowed[2].all()  # unconstrained rows

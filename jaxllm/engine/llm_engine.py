@@ -327,7 +327,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         embeddings = self.embeddings
         embeddings.record(out, result)
-        grammar_done = self._accept_grammar_tokens(out, result, positions)
+        grammar_done = self._accept_grammar_tokens(step, result)
         num_embedded = 0
         for r, row in enumerate(out.sample_rows):
             seq = row.seq
@@ -348,13 +348,16 @@ class LLMEngine:
 
     def _start_bitmask(self, step: _LaunchedStep) -> concurrent.futures.Future:
         """Starts filling the constrained sample rows' bitmask (i32[rows bucket, W])."""
-        rows = []
-        for r in step.constrained:
-            seq, group = step.out.sample_rows[r].seq, step.out.sample_rows[r].group
-            if not seq.status.is_finished:  # finished by the step just recorded: no mask
-                rows.append((r, seq.seq_id, group.params.structured_outputs,
-                             lambda seq=seq: seq.known_output_token_ids))
-        return self.structured.start_fill(rows, step.forward.shape.num_seqs, self.stats)
+        rows = [r for r in step.constrained  # finished by the step just recorded: no mask
+                if not step.out.sample_rows[r].seq.status.is_finished]
+        samples = [step.out.sample_rows[r] for r in rows]
+
+        def missing(i: int):
+            return samples[i].group.params.structured_outputs, \
+                samples[i].seq.known_output_token_ids
+
+        return self.structured.start_fill(rows, [s.seq.seq_id for s in samples], missing,
+                                          step.forward.shape.num_seqs, self.stats)
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
@@ -367,21 +370,23 @@ class LLMEngine:
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
 
-    def _accept_grammar_tokens(self, out: SchedulerOutput, result: StepResult,
-                               positions: list[int]) -> set[int]:
-        """Feeds the constrained rows' tokens to their grammars, all at once; returns the
-        rows whose grammar is now complete."""
-        if self.structured is None or not self.structured.num_matchers:
+    def _accept_grammar_tokens(self, step: _LaunchedStep, result: StepResult) -> set[int]:
+        """Feeds the constrained rows' tokens to their grammars; returns the rows whose
+        grammar is now complete."""
+        rows = [r for r in step.constrained
+                if not step.out.sample_rows[r].seq.status.is_finished]
+        if not rows:
             return set()
-        rows, items = [], []
-        for r, row in enumerate(out.sample_rows):
-            spec, seq = row.group.params.structured_outputs, row.seq
-            if spec is not None and not seq.status.is_finished:
-                rows.append(r)
-                items.append((seq.seq_id, spec, int(result.sampled[r]),
-                              lambda seq=seq, pos=positions[r]:
-                              seq.token_ids[seq.num_prompt_tokens:pos]))
-        return {r for r, done in zip(rows, self.structured.accept(items), strict=True) if done}
+        samples = [step.out.sample_rows[r] for r in rows]
+
+        def missing(i: int):  # the outputs before this step's token
+            seq = samples[i].seq
+            return samples[i].group.params.structured_outputs, \
+                seq.token_ids[seq.num_prompt_tokens:step.positions[rows[i]]]
+
+        done = self.structured.accept([s.seq.seq_id for s in samples],
+                                      result.sampled[rows].tolist(), missing)
+        return {rows[i] for i in done}
 
     def _emit_outputs(self) -> list[RequestOutput]:
         """Detokenizes the recorded tokens, applies stop strings, builds outputs."""

@@ -1,7 +1,7 @@
 """Per-sequence grammar state and each step's token bitmask (host side, no jax).
 
 The engine keeps one matcher per constrained sequence (n > 1: one per sample), fed every token
-the sequence samples. Before a step's sampler runs, ``fill(jobs(rows))`` writes the allowed tokens
+the sequence samples. Before a step's sampler runs, ``fill(jobs(...))`` writes the allowed tokens
 of its constrained rows (llguidance fills rows in parallel, outside the GIL); unconstrained
 rows stay all-ones. Matchers are made on first use from the request's compiled grammar and
 catch up on tokens already generated, so forks and preempted sequences need no special case.
@@ -21,6 +21,10 @@ from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured.grammar import GrammarCompiler
 
 logger = logging.getLogger(__name__)
+
+# A sequence's constraint and its output tokens so far, asked for only when its matcher has to
+# be made: missing(i) for the i-th sequence of a call.
+Missing = Callable[[int], tuple[StructuredOutputsParams, Sequence[int]]]
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -44,36 +48,36 @@ class StructuredOutputs:
     def num_matchers(self) -> int:
         return len(self._matchers)
 
-    def _matcher(self, seq_id: int, spec: StructuredOutputsParams,
-                 output_token_ids: Callable[[], Sequence[int]]):
-        matcher = self._matchers.get(seq_id)
-        if matcher is None:
+    def _matchers_of(self, seq_ids: Sequence[int], missing: Missing) -> list:
+        """The matchers of ``seq_ids``; one not made yet is made from ``missing(i)`` (the
+        i-th sequence's constraint and its output tokens so far: a fork, a restart) and
+        catches up on those tokens."""
+        found = list(map(self._matchers.get, seq_ids))
+        if None in found:
             import llguidance
 
-            matcher = llguidance.LLMatcher(self.compiler.ll_tokenizer,
-                                           self.compiler.compile(spec))
-            done = list(output_token_ids())
-            if done:
-                matcher.consume_tokens(done)
-            self._matchers[seq_id] = matcher
-        return matcher
+            for i, matcher in enumerate(found):
+                if matcher is None:
+                    spec, done = missing(i)
+                    matcher = llguidance.LLMatcher(self.compiler.ll_tokenizer,
+                                                   self.compiler.compile(spec))
+                    if done:
+                        matcher.consume_tokens(list(done))
+                    self._matchers[seq_ids[i]] = found[i] = matcher
+        return found
 
-    def jobs(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
-                                        Callable[[], Sequence[int]]]]) -> list:
-        """The matchers of ``rows`` (row, seq_id, spec, the output tokens so far), made where
-        missing (the tokens are asked for only then: a fork, a restart). Engine thread."""
-        return [(self._matcher(seq_id, spec, outputs), row)
-                for row, seq_id, spec, outputs in rows]
+    def jobs(self, rows: Sequence[int], seq_ids: Sequence[int], missing: Missing) -> list:
+        """(matcher, row) for each constrained row, the fill's input. Engine thread."""
+        return list(zip(self._matchers_of(seq_ids, missing), rows, strict=True))
 
-    def start_fill(self, rows: Sequence[tuple[int, int, StructuredOutputsParams,
-                                              Callable[[], Sequence[int]]]],
+    def start_fill(self, rows: Sequence[int], seq_ids: Sequence[int], missing: Missing,
                    num_rows: int, stats: Any) -> concurrent.futures.Future:
-        """Starts filling ``rows``' bitmask (i32[num_rows, W]) on the bitmask thread; the
-        matchers are looked up (or made) here, on the engine thread. ``stats`` (EngineStats)
-        counts the engine thread's part in ``bitmask_seconds`` and the fill's in
-        ``bitmask_fill_seconds``."""
+        """Starts filling the bitmask (i32[num_rows, W]) of ``rows`` (sequences ``seq_ids``)
+        on the bitmask thread; the matchers are looked up (or made) here, on the engine
+        thread. ``stats`` (EngineStats) counts the engine thread's part in
+        ``bitmask_seconds`` and the fill's in ``bitmask_fill_seconds``."""
         start = time.perf_counter()
-        jobs = self.jobs(rows)
+        jobs = self.jobs(rows, seq_ids, missing)
         stats.bitmask_seconds += time.perf_counter() - start
 
         def fill() -> np.ndarray:
@@ -92,7 +96,6 @@ class StructuredOutputs:
     def fill(self, jobs: list, num_rows: int) -> np.ndarray:
         """Fills the jobs' rows (llguidance works outside the GIL, on its own threads), so it
         may run beside the engine thread as long as that thread leaves these matchers be."""
-        import llguidance
         import llguidance.numpy
 
         bitmask = np.full((num_rows, self.width), -1, np.int32)
@@ -101,30 +104,29 @@ class StructuredOutputs:
         llguidance.numpy.fill_next_token_bitmask_par(self._llexecutor(), jobs, bitmask)
         return bitmask
 
-    def accept(self, rows: Sequence[tuple[int, StructuredOutputsParams, int,
-                                          Callable[[], Sequence[int]]]]) -> list[bool]:
-        """Feeds each row's sampled token to its sequence's matcher, all rows at once (in
-        parallel, outside the GIL); per row, True when the grammar is complete (nothing may
-        follow but EOS), so the sequence can stop. A row is (seq_id, spec, token, the output
-        tokens before ``token``: used only if the matcher has to be made)."""
-        complete = [False] * len(rows)
-        feed = []
-        for i, (seq_id, spec, token, outputs) in enumerate(rows):
-            matcher = self._matcher(seq_id, spec, outputs)
-            if matcher.is_stopped() or (token in self.compiler.eos_token_ids
-                                        and matcher.is_accepting()):
-                complete[i] = True
-            else:
-                feed.append((i, seq_id, matcher, token))
-        if not feed:
-            return complete
-        consumed = self._llexecutor().consume_token_par([(m, t) for _, _, m, t in feed])
-        for (i, seq_id, matcher, token), ok in zip(feed, consumed, strict=True):
-            if not ok:
+    def accept(self, seq_ids: Sequence[int], tokens: Sequence[int],
+               missing: Missing) -> list[int]:
+        """Feeds each sequence its sampled token; returns the indices of those whose grammar
+        is now complete (nothing may follow but EOS), so they can stop.
+
+        NOTE: one ``consume_token`` call per row, not llguidance's parallel
+        ``consume_token_par``: for 64 rows the parallel call (2 threads) took 1.2 ms on this
+        2-core dev host and 1.0 ms on the H200's 16-core host, one call per row 0.49 / 0.47 ms
+        (a token's accept is ~7 us, less than waking the pool's threads; benchmarks/RESULTS.md,
+        "Issue 19: the constrained step's host cost on CPU")."""
+        eos = self.compiler.eos_token_ids
+        complete = []
+        for i, (matcher, token) in enumerate(zip(self._matchers_of(seq_ids, missing), tokens,
+                                                 strict=True)):
+            if matcher.is_stopped() or (token in eos and matcher.is_accepting()):
+                complete.append(i)
+            elif not matcher.consume_token(token):
                 # Only possible if the token bypassed the mask; the output so far stands.
-                logger.warning("sequence %d: token %d rejected by its grammar: %s", seq_id,
-                               token, matcher.get_error()[:300])
-            complete[i] = not ok or matcher.is_stopped()
+                logger.warning("sequence %d: token %d rejected by its grammar: %s",
+                               seq_ids[i], token, matcher.get_error()[:300])
+                complete.append(i)
+            elif matcher.is_stopped():
+                complete.append(i)
         return complete
 
     def _llexecutor(self):
