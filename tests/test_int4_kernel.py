@@ -1,0 +1,131 @@
+"""The 4-bit matmul kernel (pallas_kernels/quantized_matmul) against its reference, run by the
+Pallas interpreter on CPU; linear()'s choice of path; dummy AWQ weights running a model."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxllm.pallas_kernels.quantized_matmul import (
+    Int4MatmulConfig,
+    int4_matmul,
+    int4_matmul_reference,
+    unsupported,
+)
+from tiny_models import TINY
+
+import jaxllm
+from jaxllm.layers.linear import INT4_KERNEL_MAX_TOKENS, Int4Weight, int4_uses_kernel, linear
+from jaxllm.model_config import ModelConfig
+from jaxllm.quantization.int4_checkpoint import pack_rows
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated")
+K, N = 256, 128  # the smallest shape with two steps of block_k = 128 (split-K runs)
+
+
+def int4_weight(k: int, n: int, group: int, dtype, seed: int = 0) -> Int4Weight:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (k, n)).astype(np.uint8)
+    groups = k // group
+    scales = jnp.asarray(rng.uniform(0.5, 1.5, (groups, n)) * 0.02, dtype)
+    zeros = jnp.asarray(rng.integers(0, 17, (groups, n)).astype(np.uint8))  # 16: GPTQ v1
+    return Int4Weight(jnp.asarray(pack_rows(q)), scales, zeros)
+
+
+def assert_close(got, want, x, w: Int4Weight):
+    """Both sides dot the same dequantized weight (identical elementwise: (q - z) is exact and
+    the product by the scale rounds once in x's dtype) and accumulate in float32 in different
+    orders, which differ by at most 2 K eps32 sum_k |x_k w_kn| (the summation bound, twice).
+    A bfloat16 result is then rounded once on each side: one more bf16 ulp, 2^-7 |y|."""
+    x32 = np.abs(np.asarray(x, np.float64)).reshape(-1, x.shape[-1])
+    w32 = np.abs(np.asarray(w.dequantize(x.dtype), np.float64))
+    bound = 2 * x.shape[-1] * np.finfo(np.float32).eps * (x32 @ w32)
+    want = np.asarray(want, np.float64).reshape(bound.shape)
+    if x.dtype == jnp.bfloat16:
+        bound = bound + 2.0 ** -7 * np.abs(want)
+    err = np.abs(np.asarray(got, np.float64).reshape(bound.shape) - want)
+    assert got.dtype == x.dtype
+    assert np.all(err <= bound), (err.max(), bound[err > bound][:4])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group", [32, 128, K])
+def test_kernel_equals_reference(group, dtype):
+    w = int4_weight(K, N, group, dtype)
+    for m in (1, 5, 16) if dtype == jnp.float32 else (1, 16):
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, K)), dtype)
+        got = int4_matmul(x, w.qweight, w.scales, w.zeros, group_size=group, interpret=True)
+        want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=group)
+        assert_close(got, want, x, w)
+
+
+def test_kernel_takes_leading_dims_several_row_blocks_and_column_blocks():
+    w = int4_weight(K, 2 * N, 128, jnp.float32, seed=1)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 17, K)), jnp.float32)
+    config = Int4MatmulConfig(block_m=16, num_splits=1)  # 34 rows: three blocks of 16
+    got = int4_matmul(x, w.qweight, w.scales, w.zeros, group_size=128, interpret=True,
+                      config=config)
+    assert got.shape == (2, 17, 2 * N)
+    assert_close(got, int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128),
+                 x, w)
+
+
+def test_unsupported_shapes_are_named():
+    assert unsupported(1, 4096, 28672, 128) is None  # Llama-3-8B gate_up
+    assert unsupported(1, 14336, 4096, 128) is None  # its down_proj (112 groups)
+    assert unsupported(1, 8192, 57344, 8192) is None  # 70B gate_up, one group
+    assert "block_n" in unsupported(1, 256, 96, 128)
+    assert "block_k" in unsupported(1, 64, 128, 64)  # the tiny test models' widths
+    with pytest.raises(ValueError, match="block_k"):
+        Int4MatmulConfig(block_k=64)
+
+
+def test_linear_runs_the_kernel_only_where_asked_and_able():
+    w = int4_weight(K, N, 128, jnp.float32)
+    x = jnp.ones((4, K), jnp.float32)
+    assert jax.default_backend() == "cpu"
+    assert not int4_uses_kernel(x, w)  # auto: the kernel is for GPUs
+    assert int4_uses_kernel(x, w, "pallas_interpret")
+    assert not int4_uses_kernel(x, w, "xla")
+    many = jnp.ones((INT4_KERNEL_MAX_TOKENS + 1, K), jnp.float32)
+    assert not int4_uses_kernel(many, w, "pallas")
+    small = int4_weight(64, N, 32, jnp.float32)  # K=64: no whole block_k
+    assert not int4_uses_kernel(jnp.ones((1, 64)), small, "pallas")
+    tp2 = types.SimpleNamespace(shape={"tp": 2})  # sharded weights keep XLA's path
+    assert not int4_uses_kernel(x, w, "pallas", mesh=tp2)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), w)  # [L, ..]: only per-layer slices
+    assert not int4_uses_kernel(x, stacked, "pallas")
+    with pytest.raises(ValueError, match="int4 backend"):
+        int4_uses_kernel(x, w, "triton")
+
+
+def test_linear_on_cpu_is_the_xla_path_bit_for_bit_and_the_kernel_agrees():
+    w = int4_weight(K, N, 32, jnp.bfloat16, seed=2)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, K)), jnp.bfloat16)
+    before = jnp.dot(x, w.dequantize(x.dtype))  # linear()'s 4-bit path before the kernel
+    np.testing.assert_array_equal(np.asarray(linear(x, w), np.float32),
+                                  np.asarray(before, np.float32))
+    assert_close(linear(x, w, int4_backend="pallas_interpret"), before, x, w)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_dummy_int4_weights_are_packed_and_generate(method):
+    cfg = ModelConfig(**TINY, rope_theta=10000.0)
+    model = jaxllm.load_model(load_format="dummy", config=cfg, quantization=method)
+    assert model.quantization.method == method and model.quantization.bits == 4
+    assert model.quantization.group_size == 32  # 128 and 64 do not divide the MLP's 96
+    kernel = model.params["layers"]["mlp"]["down_proj"]["kernel"]
+    assert isinstance(kernel, Int4Weight)
+    assert kernel.qweight.shape == (2, 96 // 8, 64) and kernel.zeros.dtype == jnp.uint8
+    assert int(kernel.zeros.max()) <= 15 and float(kernel.scales.min()) > 0
+    if method == "gptq":  # the same packed layout runs the same way: generate once (awq)
+        return
+    ids = jnp.asarray([[1, 2, 3, 0]], jnp.int32)
+    out = jaxllm.generate(model.params, ids, jnp.asarray([3]), jax.random.key(0), config=cfg,
+                          max_new_tokens=2, block_size=4)
+    assert out.tokens.shape == (1, 2)
+    assert np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < cfg.vocab_size))
