@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 # A sequence's constraint and its output tokens so far, asked for only when its matcher has to
 # be made: missing(i) for the i-th sequence of a call.
+# Above this many rows a step's accepts go to llguidance's pool in one call. On the H200 host
+# (16 cores) one call per row took 0.40 ms for 64 rows against 0.55 in parallel, and 1.89 ms
+# for 256 rows against 1.37 (benchmarks/constrained_step.py).
+PARALLEL_ACCEPT_ROWS = 128
 Missing = Callable[[int], tuple[StructuredOutputsParams, Sequence[int]]]
 
 
@@ -109,25 +113,29 @@ class StructuredOutputs:
         """Feeds each sequence its sampled token; returns the indices of those whose grammar
         is now complete (nothing may follow but EOS), so they can stop.
 
-        NOTE: one ``consume_token`` call per row, not llguidance's parallel
-        ``consume_token_par``: for 64 rows the parallel call (2 threads) took 1.2 ms on this
-        2-core dev host and 1.0 ms on the H200's 16-core host, one call per row 0.49 / 0.47 ms
-        (a token's accept is ~7 us, less than waking the pool's threads; benchmarks/RESULTS.md,
-        "Issue 19: the constrained step's host cost on CPU")."""
+        NOTE: up to ``PARALLEL_ACCEPT_ROWS`` rows, one ``consume_token`` call each: llguidance's
+        parallel call costs more than the rows' work there (benchmarks/RESULTS.md, "Issue 19:
+        the constrained step's host cost on CPU")."""
         eos = self.compiler.eos_token_ids
-        complete = []
+        complete, feed = [], []
         for i, (matcher, token) in enumerate(zip(self._matchers_of(seq_ids, missing), tokens,
                                                  strict=True)):
             if matcher.is_stopped() or (token in eos and matcher.is_accepting()):
                 complete.append(i)
-            elif not matcher.consume_token(token):
+            else:
+                feed.append((i, matcher, token))
+        if len(feed) > PARALLEL_ACCEPT_ROWS:
+            consumed = self._llexecutor().consume_token_par([(m, t) for _, m, t in feed])
+        else:
+            consumed = [matcher.consume_token(token) for _, matcher, token in feed]
+        for (i, matcher, token), ok in zip(feed, consumed, strict=True):
+            if not ok:
                 # Only possible if the token bypassed the mask; the output so far stands.
                 logger.warning("sequence %d: token %d rejected by its grammar: %s",
                                seq_ids[i], token, matcher.get_error()[:300])
+            if not ok or matcher.is_stopped():
                 complete.append(i)
-            elif matcher.is_stopped():
-                complete.append(i)
-        return complete
+        return sorted(complete)
 
     def _llexecutor(self):
         if self._executor is None:
