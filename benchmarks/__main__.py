@@ -9,6 +9,8 @@ COMMANDS = {
     "throughput": ("jaxllm.benchmarks.throughput", "offline throughput: jaxllm vs the baselines"),
     "serve": ("jaxllm.benchmarks.serve_client", "load-test an OpenAI-compatible server"),
     "latency": ("jaxllm.benchmarks.latency", "decode step time vs the memory roofline"),
+    "soak": ("jaxllm.benchmarks.soak", "a long run of jaxllm serve under steady mixed load: "
+                                       "memory growth, lost requests, KV left after drain"),
 }
 
 
