@@ -199,7 +199,7 @@ def two_front_ends(tmp_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen(serve_command(port, "--api-server-count", "2"), cwd=ROOT,
                                 env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
             assert healthy(url, proc, timeout=300), log_path.read_text()
@@ -215,6 +215,8 @@ def two_front_ends(tmp_path):
 
 
 def test_two_front_ends_serve_count_together_and_drain_on_sigterm(two_front_ends):
+    """SIGTERM goes to the whole process group, as Ctrl-C or GNU timeout send it: counted once
+    (by the launcher), it kills neither the front ends mid-drain nor the core."""
     proc, url, log_path = two_front_ends
     front_ends, core = pids_in(log_path.read_text())
 
@@ -227,7 +229,7 @@ def test_two_front_ends_serve_count_together_and_drain_on_sigterm(two_front_ends
             # Requests in flight when the launcher is told to stop: each finishes.
             late = [asyncio.create_task(stream_text(session, b)) for b in bodies[:4]]
             await asyncio.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGTERM)
             finished = await asyncio.gather(*late)
             return statuses, metrics, finished
 
