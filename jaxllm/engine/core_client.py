@@ -1,9 +1,13 @@
-"""EngineCoreClient: a front end's handle on an engine core running in its own process
-(:mod:`jaxllm.engine.core_process`, which describes the messages and the lifeline).
+"""EngineCoreClient: a front end's handle on the engine cores running in their own processes
+(:mod:`jaxllm.engine.core_process`, which describes the messages and the lifeline): one, or
+``--data-parallel-size`` replicas, each a whole engine over its own devices.
 
 Everything here runs on the front end's event loop: :meth:`attach` (called by the server once
-its loop runs) connects the DEALER socket and starts the reader, which puts each output into
-its request's queue (:class:`~jaxllm.engine.engine_client.EngineClient`'s streams).
+its loop runs) connects one DEALER socket per core and starts a reader on each, which puts each
+output into its request's queue (:class:`~jaxllm.engine.engine_client.EngineClient`'s streams).
+A request goes to the replica :class:`~jaxllm.engine.load_balancer.LoadBalancer` picks, and its
+abort to that replica; a call (snapshot, abort_unfinished) goes to every replica. Any core's
+death is the engine's: every request in flight fails, as with one core.
 """
 
 from __future__ import annotations
@@ -13,16 +17,22 @@ import itertools
 import logging
 import multiprocessing.connection
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from jaxllm.engine.core_process import EngineCoreHandle, dumps, frontend_identity
+from jaxllm.engine.core_process import (
+    EngineCoreHandle,
+    decode_output,
+    dumps,
+    frontend_identity,
+)
 from jaxllm.engine.engine_client import EngineClient, EngineDeadError, EngineInfo
+from jaxllm.engine.load_balancer import LoadBalancer, ReplicaLoad
 from jaxllm.engine.outputs import RequestOutput
-from jaxllm.engine.snapshot import EngineSnapshot
+from jaxllm.engine.snapshot import EngineSnapshot, merge_snapshots
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
@@ -32,24 +42,29 @@ logger = logging.getLogger(__name__)
 class EngineCoreClient(EngineClient):
     out_of_process = True
 
-    def __init__(self, address: str, info: EngineInfo, tokenizer: Any, index: int,
-                 lifeline: multiprocessing.connection.Connection,
-                 handle: EngineCoreHandle | None = None):
-        """``index``: this front end's number (its routing id); ``lifeline``: its end of the
-        pipe it shares with the core; ``handle``: the core itself, when this process started
-        it (one front end), so that :meth:`shutdown` stops it."""
+    def __init__(self, addresses: Sequence[str], info: EngineInfo, tokenizer: Any, index: int,
+                 lifelines: Sequence[multiprocessing.connection.Connection],
+                 handles: Sequence[EngineCoreHandle] = ()):
+        """``addresses``: each core's socket (one per data-parallel replica); ``index``: this
+        front end's number (its routing id in every core); ``lifelines``: its end of the pipe
+        it shares with each core; ``handles``: the cores themselves, when this process started
+        them (one front end), so that :meth:`shutdown` stops them."""
         super().__init__()
+        if len(addresses) != len(lifelines):
+            raise ValueError(f"{len(addresses)} cores but {len(lifelines)} lifelines")
         self.info = info
         self.tokenizer = tokenizer
         self.structured = _grammar_cache(info, tokenizer)
-        self.address = address
+        self.addresses = list(addresses)
         self.identity = frontend_identity(index)
-        self.lifeline = lifeline
-        self.handle = handle
+        self.lifelines = list(lifelines)
+        self.handles = list(handles)
+        self.balancer = LoadBalancer(len(self.addresses), info.block_size, info.max_num_seqs)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._context: zmq.asyncio.Context | None = None
-        self._socket: zmq.asyncio.Socket | None = None
-        self._reader: asyncio.Task | None = None
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self._readers: list[asyncio.Task] = []
+        self._replica: dict[str, int] = {}  # request id -> the core that runs it
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
@@ -57,99 +72,146 @@ class EngineCoreClient(EngineClient):
     @classmethod
     def for_handle(cls, handle: EngineCoreHandle) -> EngineCoreClient:
         """The client of the one front end of a core this process started."""
-        return cls(handle.address, handle.info, handle.tokenizer, 0, handle.lifelines[0],
-                   handle)
+        return cls.for_handles([handle])
+
+    @classmethod
+    def for_handles(cls, handles: Sequence[EngineCoreHandle]) -> EngineCoreClient:
+        """The client of the one front end of the cores (replicas) this process started."""
+        return cls([h.address for h in handles], handles[0].info, handles[0].tokenizer, 0,
+                   [h.lifelines[0] for h in handles], handles)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.addresses)
 
     # ------------------------------------------------------------------ control
     def start(self) -> None:
-        """Nothing to start here: the core runs already; :meth:`attach` connects."""
+        """Nothing to start here: the cores run already; :meth:`attach` connects."""
 
     async def attach(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._context = zmq.asyncio.Context()
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, self.identity)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.address)
-        self._socket = socket
-        self._reader = asyncio.create_task(self._read())
-        self._loop.add_reader(self.lifeline.fileno(), self._core_gone)
+        for replica, address in enumerate(self.addresses):
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, self.identity)
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(address)
+            self._sockets.append(socket)
+            self._readers.append(asyncio.create_task(self._read(replica)))
+            self._loop.add_reader(self.lifelines[replica].fileno(), self._core_gone, replica)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        if self._loop is not None and not self._loop.is_closed() and not self.lifeline.closed:
-            try:
-                self._loop.remove_reader(self.lifeline.fileno())
-            except (ValueError, OSError, RuntimeError):
-                pass
-        if self._reader is not None and not self._reader.done():
-            try:
-                self._reader.cancel()
-            except RuntimeError:  # its loop has closed (asyncio.run ended)
-                pass
-        if self._socket is not None:
-            self._socket.close(linger=0)
+        if self._loop is not None and not self._loop.is_closed():
+            for lifeline in self.lifelines:
+                if not lifeline.closed:
+                    try:
+                        self._loop.remove_reader(lifeline.fileno())
+                    except (ValueError, OSError, RuntimeError):
+                        pass
+        for reader in self._readers:
+            if not reader.done():
+                try:
+                    reader.cancel()
+                except RuntimeError:  # its loop has closed (asyncio.run ended)
+                    pass
+        for socket in self._sockets:
+            socket.close(linger=0)
         if self._context is not None:
             self._context.term()
-        self._reader = self._socket = self._context = None
-        handle, self.handle = self.handle, None
-        if handle is not None:
+        self._readers, self._sockets, self._context = [], [], None
+        handles, self.handles = self.handles, []
+        for handle in handles:  # closed first: every core starts stopping at once
+            for conn in [handle.launcher_lifeline, *handle.lifelines]:
+                if conn is not None:
+                    conn.close()
+        for replica, handle in enumerate(handles):
             code = handle.stop(timeout)
-            logger.info("engine-core process exited with code %s", code)
+            logger.info("engine-core process%s exited with code %s", _which(replica, handles),
+                        code)
 
     # ----------------------------------------------------------------- requests
     def _add(self, request_id: str, prompt: str | None,
              params: SamplingParams | PoolingParams | None,
              prompt_token_ids: list[int] | None, priority: int) -> None:
-        self._send(("add", request_id, prompt, params, prompt_token_ids, priority))
+        replica = self.balancer.choose(prompt_token_ids)
+        self._replica[request_id] = replica
+        self.balancer.added(replica)
+        self._send(replica, ("add", request_id, prompt, params, prompt_token_ids, priority))
 
     def abort(self, request_id: str) -> None:
-        if self.dead_error is None:
-            self._send(("abort", [request_id]))
+        replica = self._replica.get(request_id)
+        if self.dead_error is None and replica is not None:
+            self._send(replica, ("abort", [request_id]))
 
     async def snapshot(self) -> EngineSnapshot:
-        return await self._call("snapshot")
+        """The replicas' totals (:func:`~jaxllm.engine.snapshot.merge_snapshots`)."""
+        return merge_snapshots(await self.snapshots())
+
+    async def snapshots(self) -> list[EngineSnapshot]:
+        per_replica = await asyncio.gather(*(self._call(replica, "snapshot")
+                                             for replica in range(self.num_replicas)))
+        for replica, s in enumerate(per_replica):  # fresher than its last load report, maybe
+            self.balancer.report(replica, ReplicaLoad(s.waiting + s.swapped, s.running,
+                                                      s.kv_usage))
+        return per_replica
 
     async def abort_unfinished(self, request_ids: Iterable[str]) -> int:
-        return await self._call("abort_unfinished", list(request_ids))
+        by_replica: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            replica = self._replica.get(request_id)
+            if replica is not None:  # else finished: its last output has arrived here
+                by_replica.setdefault(replica, []).append(request_id)
+        counts = await asyncio.gather(*(self._call(replica, "abort_unfinished", ids)
+                                        for replica, ids in by_replica.items()))
+        return sum(counts)
 
-    async def _call(self, name: str, *args: Any) -> Any:
+    async def _call(self, replica: int, name: str, *args: Any) -> Any:
         self.check_alive()
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
         try:
-            self._send(("call", call_id, name, args))
+            self._send(replica, ("call", call_id, name, args))
             return await future
         finally:
             self._calls.pop(call_id, None)
 
-    def _send(self, message: tuple) -> None:
-        if self._socket is None:
+    def _send(self, replica: int, message: tuple) -> None:
+        if not self._sockets:
             raise RuntimeError("EngineCoreClient.attach() has not run")
-        frame = dumps(message)
+        socket, frame = self._sockets[replica], dumps(message)
         if self._loop is not None and _on_loop(self._loop):
-            self._socket.send(frame, copy=False)  # HWM off: queued at once, never dropped
+            socket.send(frame, copy=False)  # HWM off: queued at once, never dropped
         else:  # from another thread: sockets are not thread-safe
-            self._loop.call_soon_threadsafe(self._socket.send, frame)
+            self._loop.call_soon_threadsafe(socket.send, frame)
+
+    def _release(self, request_id: str) -> None:
+        replica = self._replica.pop(request_id, None)
+        if replica is not None:
+            self.balancer.finished(replica)
 
     # ------------------------------------------------------------------ replies
-    async def _read(self) -> None:
+    async def _read(self, replica: int) -> None:
+        socket = self._sockets[replica]
         while True:
-            payload = await self._socket.recv()
+            payload = await socket.recv()
             try:
-                self._dispatch(pickle.loads(payload))
+                self._dispatch(replica, pickle.loads(payload))
             except Exception:  # a bug here must not stop every later output
                 logger.exception("bad message from the engine core")
 
-    def _dispatch(self, message: tuple) -> None:
+    def _dispatch(self, replica: int, message: tuple) -> None:
         kind = message[0]
         if kind == "outputs":
-            for output in message[1]:
-                self._deliver(output)
+            for item in message[1]:
+                self._deliver(decode_output(item))
+        elif kind == "load":
+            self.balancer.report(replica, ReplicaLoad(*message[1:4]))
         elif kind == "refused":
             _, request_id, error = message
+            self._release(request_id)
             self._put(request_id, error)
         elif kind == "reply":
             _, call_id, ok, value = message
@@ -172,6 +234,7 @@ class EngineCoreClient(EngineClient):
                 self._prompts[request_id] = (output.prompt, output.prompt_token_ids)
         if output.finished:
             self._prompts.pop(request_id, None)
+            self._release(request_id)
         self._put(request_id, output)
 
     def _put(self, request_id: str, item: Any) -> None:
@@ -179,15 +242,17 @@ class EngineCoreClient(EngineClient):
         if target is not None:
             target[1].put_nowait(item)
 
-    def _core_gone(self) -> None:
-        self._loop.remove_reader(self.lifeline.fileno())
+    def _core_gone(self, replica: int) -> None:
+        self._loop.remove_reader(self.lifelines[replica].fileno())
         code = None
-        if self.handle is not None:
-            self.handle.process.join(5)
-            code = self.handle.process.exitcode
+        if self.handles:
+            self.handles[replica].process.join(5)
+            code = self.handles[replica].process.exitcode
+        which = _which(replica, self.addresses)
         if self.dead_error is None:
-            self._die(EngineDeadError(f"the engine-core process exited (exit code {code})"))
-        logger.error("the engine-core process is gone (exit code %s)", code)
+            self._die(EngineDeadError(f"the engine-core process{which} exited (exit code "
+                                      f"{code})"))
+        logger.error("the engine-core process%s is gone (exit code %s)", which, code)
 
     def _die(self, error: EngineDeadError) -> None:
         if self.dead_error is not None:
@@ -197,6 +262,11 @@ class EngineCoreClient(EngineClient):
         for future in self._calls.values():
             if not future.done():
                 future.set_exception(error)
+
+
+def _which(replica: int, replicas: Sequence) -> str:
+    """" of replica i" in messages, when there are several."""
+    return f" of replica {replica}" if len(replicas) > 1 else ""
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -12,12 +12,17 @@ tuples (protocol 5):
                         ("refused", request_id, exception)    add_request raised
                         ("reply", call_id, ok, value | exception)
                         ("dead", message)                     a step failed; the core exits 1
+                        ("load", waiting, running, kv_usage)  to every front end, at most every
+                                                              LOAD_INTERVAL while busy and once
+                                                              on going idle (load balancing)
 
 Why ZMQ: its I/O threads do the socket writes, so the engine loop's send of a step's outputs is
 a queue push, and a slow front end never blocks the loop (high-water marks are off: an output
-is never dropped). Why pickle: the payloads are the engine's own dataclasses, and a step's
-outputs for 256 requests pickle in well under a millisecond once the prompt is left out (a
-request's prompt and prompt ids travel with its first output only; the client keeps them).
+is never dropped). Why pickle: the payloads are the engine's own types, and no schema has to
+be kept beside them. A step's RequestOutputs travel as plain tuples (:func:`encode_outputs`,
+:func:`decode_output`): pickling the dataclasses themselves cost 3x more on the engine's
+thread and 7x more to read (``benchmarks/ipc_step.py``, RESULTS), and a request's prompt and
+prompt ids travel with its first output only (the client keeps them).
 The socket lives in a directory only this user can enter, so only this user's processes can
 speak to it.
 
@@ -40,6 +45,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -47,11 +53,15 @@ import zmq
 
 from jaxllm.engine.engine_client import EngineInfo
 from jaxllm.engine.engine_config import EngineConfig
-from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.sequence import RequestMetrics
 
 logger = logging.getLogger(__name__)
 PICKLE = pickle.HIGHEST_PROTOCOL
 IDLE_POLL_MS = 1000  # how long an idle core sleeps in one poll (any message wakes it)
+# Seconds between two load reports of a busy core: fresh enough for a front end's routing (its
+# own requests in flight are counted as they go), a few tiny messages a second.
+LOAD_INTERVAL = 0.05
 
 
 def frontend_identity(index: int) -> bytes:
@@ -60,6 +70,34 @@ def frontend_identity(index: int) -> bytes:
 
 def dumps(message: tuple) -> bytes:
     return pickle.dumps(message, protocol=PICKLE)
+
+
+def encode_outputs(outputs: list) -> list:
+    """A step's outputs for the wire: each RequestOutput as nested tuples (the prompt only in a
+    request's first, the sender decides); any other output (an embedding) as itself."""
+    encoded = []
+    for o in outputs:
+        if type(o) is RequestOutput:
+            m = o.metrics
+            encoded.append((o.request_id, o.prompt, o.prompt_token_ids, o.finished,
+                            o.num_cached_tokens,
+                            (m.arrival_time, m.first_scheduled_time, m.first_token_time,
+                             m.finished_time, m.num_cached_tokens),
+                            [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                              c.finish_reason, c.stop_reason) for c in o.outputs]))
+        else:
+            encoded.append(o)
+    return encoded
+
+
+def decode_output(item: Any) -> Any:
+    """The inverse of :func:`encode_outputs` for one item."""
+    if not isinstance(item, tuple):
+        return item
+    request_id, prompt, prompt_ids, finished, cached, metrics, outputs = item
+    return RequestOutput(request_id, prompt, prompt_ids,
+                         [CompletionOutput(*c) for c in outputs], finished,
+                         RequestMetrics(*metrics), cached)
 
 
 def picklable_error(error: BaseException) -> BaseException:
@@ -110,6 +148,71 @@ def launch_engine_core(config: EngineConfig, num_frontends: int = 1) -> EngineCo
     weights loaded, KV cache allocated, step programs compiled or read from the cache. Raises
     EngineStartError with the core's own message when it fails first (a bad flag, out of
     memory, a checkpoint that cannot be read) or dies without one."""
+    return launch_engine_cores(config, num_frontends)[0]
+
+
+def launch_engine_cores(config: EngineConfig, num_frontends: int = 1,
+                        data_parallel_size: int = 1) -> list[EngineCoreHandle]:
+    """``data_parallel_size`` engine cores (replicas of the model, each over its own devices:
+    :func:`replica_device_env`), started together and each waited for as
+    :func:`launch_engine_core` does; when one fails, the others are stopped and its error
+    raised."""
+    tp = config.tensor_parallel_size
+    envs = [replica_device_env(replica, tp, os.environ) for replica in range(data_parallel_size)]
+    starting = [_start(config, num_frontends, replica, data_parallel_size, env)
+                for replica, env in enumerate(envs)]
+    handles: list[EngineCoreHandle] = []
+    error: EngineStartError | None = None
+    for start in starting:
+        try:
+            handles.append(start())
+        except EngineStartError as e:
+            error = error or e
+    if error is not None:
+        for handle in handles:
+            handle.stop()
+        raise error
+    return handles
+
+
+def visible_gpus(environ: os._Environ | dict) -> list[str] | None:
+    """The CUDA devices a process started now would see (ids as CUDA_VISIBLE_DEVICES takes
+    them), read without initializing JAX (that would claim the GPUs' memory here); None when
+    there are none to divide (a CPU host, or JAX told to use another platform)."""
+    platforms = environ.get("JAX_PLATFORMS", "")
+    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
+        return None
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d for d in listed.split(",") if d.strip()] or None
+    try:
+        found = [name for name in os.listdir("/dev") if name.startswith("nvidia")
+                 and name[len("nvidia"):].isdigit()]
+    except OSError:
+        return None
+    return [str(i) for i in range(len(found))] or None
+
+
+def replica_device_env(replica: int, tensor_parallel_size: int,
+                       environ: os._Environ | dict) -> dict[str, str]:
+    """What replica ``replica``'s process must see set before JAX starts: on CUDA, devices
+    [replica * tp, (replica + 1) * tp) of those visible here; elsewhere nothing (a CPU
+    process has its own host devices)."""
+    gpus = visible_gpus(environ)
+    if gpus is None:
+        return {}
+    first = replica * tensor_parallel_size
+    mine = gpus[first:first + tensor_parallel_size]
+    if len(mine) < tensor_parallel_size:
+        raise EngineStartError(f"data-parallel replica {replica} needs GPUs "
+                               f"[{first}, {first + tensor_parallel_size}) but {len(gpus)} "
+                               "are visible")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _start(config: EngineConfig, num_frontends: int, replica: int, num_replicas: int,
+           env: dict[str, str]):
+    """Spawns one engine core; returns the function that waits for it to be ready."""
     ctx = multiprocessing.get_context("spawn")  # fork is unsafe once JAX has threads
     socket_dir = tempfile.mkdtemp(prefix="jaxllm-engine-")  # mode 0700
     address = f"ipc://{os.path.join(socket_dir, 'core.sock')}"
@@ -121,40 +224,48 @@ def launch_engine_core(config: EngineConfig, num_frontends: int = 1) -> EngineCo
     if launcher is not None:
         core_lifelines.append((None, launcher[1]))
     ready_recv, ready_send = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=run_engine_core, name="jaxllm-engine-core", daemon=True,
+    name = "jaxllm-engine-core" + (f"-{replica}" if num_replicas > 1 else "")
+    label = "engine core" + (f" {replica}" if num_replicas > 1 else "")
+    process = ctx.Process(target=run_engine_core, name=name, daemon=True,
                           args=(config, address, core_lifelines, parent, ready_send,
-                                logging.getLogger().level))
+                                logging.getLogger().level, env, label))
     process.start()
     for _, conn in core_lifelines:
         conn.close()
     ready_send.close()
-    try:
-        message = ready_recv.recv()
-    except EOFError:
-        message = ("error", None)
-    finally:
-        ready_recv.close()
-    if message[0] != "ready":
-        process.join(30)
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        reason = message[1] or (f"the engine-core process exited with code {process.exitcode} "
-                                "before it was ready")
-        raise EngineStartError(reason)
-    _, info, tokenizer = message
-    return EngineCoreHandle(process, address, info, tokenizer, [end for end, _ in pairs],
-                            None if launcher is None else launcher[0], socket_dir)
+
+    def wait_ready() -> EngineCoreHandle:
+        try:
+            message = ready_recv.recv()
+        except EOFError:
+            message = ("error", None)
+        finally:
+            ready_recv.close()
+        if message[0] != "ready":
+            process.join(30)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            reason = message[1] or (f"the engine-core process exited with code "
+                                    f"{process.exitcode} before it was ready")
+            raise EngineStartError(reason)
+        _, info, tokenizer = message
+        return EngineCoreHandle(process, address, info, tokenizer, [end for end, _ in pairs],
+                                None if launcher is None else launcher[0], socket_dir)
+
+    return wait_ready
 
 
 def run_engine_core(config: EngineConfig, address: str, lifelines: list, parent: int,
-                    ready: multiprocessing.connection.Connection, log_level: int) -> None:
+                    ready: multiprocessing.connection.Connection, log_level: int,
+                    env: dict[str, str] | None = None, label: str = "engine core") -> None:
     """The engine-core process's entry point (spawned by :func:`launch_engine_core`)."""
+    os.environ.update(env or {})  # before JAX starts its backends (LLMEngine, below)
     # Ctrl-C, or a SIGTERM sent to the whole process group (GNU timeout, a shell's job
     # control), reaches this process too: it must outlive the front end's drain. The front end
     # closing its lifeline (it exited, however) is how this process is told to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level or logging.INFO,
-                        format="%(levelname)s %(asctime)s %(name)s [engine core]: %(message)s")
+                        format=f"%(levelname)s %(asctime)s %(name)s [{label}]: %(message)s")
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.errors import JaxLLMError
 
@@ -191,6 +302,8 @@ class EngineCore:
         for _, conn in self.lifelines.values():
             self.poller.register(conn.fileno(), zmq.POLLIN)
         self.stopping = False
+        self._load_sent: tuple | None = None
+        self._load_time = 0.0
 
     def run(self) -> int:
         """Steps until the parent's lifeline closes (0) or a step fails (1)."""
@@ -200,7 +313,10 @@ class EngineCore:
                 events = dict(self.poller.poll(0 if busy else IDLE_POLL_MS))
                 if events:
                     self._handle(events)
-                if self.stopping or not self.engine.has_unfinished_requests():
+                if self.stopping:
+                    continue
+                self._report_load()
+                if not self.engine.has_unfinished_requests():
                     continue
                 try:
                     outputs = self.engine.step()
@@ -294,7 +410,17 @@ class EngineCore:
             if output.finished:
                 self._forget(request_id)
         for identity, batch in batches.items():
-            self._send(identity, ("outputs", batch))
+            self._send(identity, ("outputs", encode_outputs(batch)))
+
+    def _report_load(self) -> None:
+        now = time.monotonic()
+        scheduler = self.engine.scheduler
+        load = (len(scheduler.waiting) + len(scheduler.swapped), len(scheduler.running),
+                self.engine.block_manager.usage)
+        if load == self._load_sent or (now - self._load_time < LOAD_INTERVAL and any(load)):
+            return  # unchanged, or busy and reported moments ago (going idle is sent at once)
+        self._load_sent, self._load_time = load, now
+        self._broadcast(("load", *load))
 
     def _forget(self, request_id: str) -> None:
         self.owner.pop(request_id, None)
