@@ -15,6 +15,7 @@ import os
 
 from jaxllm.serve import security
 
+from jaxllm.engine.core_process import visible_gpus
 from jaxllm.engine.engine_config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
 from jaxllm.pooling_params import PoolingParams
 
@@ -72,6 +73,9 @@ class ServerConfig:
     # front-end processes; False: the engine on a thread of the one server process.
     engine_process: bool = True
     api_server_count: int = 1
+    # Engine-core processes, each a whole replica of the model over its own devices (on GPU:
+    # tensor_parallel_size each), every front end balancing requests over them all.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -103,6 +107,11 @@ class ServerConfig:
         need(self.engine_process or self.api_server_count == 1,
              f"--api-server-count={self.api_server_count} needs the engine in its own process "
              f"(unset {MULTIPROCESSING_ENV}=0)")
+        need(self.data_parallel_size >= 1,
+             f"--data-parallel-size={self.data_parallel_size} must be >= 1")
+        need(self.engine_process or self.data_parallel_size == 1,
+             f"--data-parallel-size={self.data_parallel_size} needs the engine in its own "
+             f"process (unset {MULTIPROCESSING_ENV}=0)")
         security.check_tls_files(self.ssl_keyfile, self.ssl_certfile, self.ssl_ca_certs,
                                  self.ssl_cert_reqs)
 
@@ -199,6 +208,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                         help="shard the model over this many local devices (attention heads, "
                         "MLP and vocabulary split; the KV cache split by KV head)")
     engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="engine-core processes, each a replica of the model over its own "
+                        "tensor-parallel-size devices; requests go to the least loaded one, or "
+                        "to the one that served their prompt's prefix")
     return p
 
 
@@ -248,7 +261,7 @@ def configs_from_args(args: argparse.Namespace,
         memory_monitor=environ.get(MEMORY_MONITOR_ENV, "0") not in ("", "0", "false"),
         keep_alive_on_engine_death=environ.get(KEEP_ALIVE_ENV, "0") not in ("", "0", "false"),
         engine_process=environ.get(MULTIPROCESSING_ENV, "1") not in ("", "0", "false"),
-        api_server_count=args.api_server_count,
+        api_server_count=args.api_server_count, data_parallel_size=args.data_parallel_size,
         memory_monitor_interval=float(environ.get(MEMORY_MONITOR_INTERVAL_ENV, "10")),
         chat_template=read_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -258,6 +271,12 @@ def configs_from_args(args: argparse.Namespace,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
+    gpus = visible_gpus(environ)  # known before loading on CUDA only (None elsewhere)
+    needed = server.data_parallel_size * engine.tensor_parallel_size
+    if gpus is not None and needed > len(gpus):
+        raise ValueError(f"--data-parallel-size={server.data_parallel_size} x "
+                         f"--tensor-parallel-size={engine.tensor_parallel_size} needs {needed} "
+                         f"GPUs but {len(gpus)} are visible")
     return engine, server
 
 

@@ -1,9 +1,10 @@
 """``python -m jaxllm.serve [MODEL] [flags]`` (also ``jaxllm serve``): load, serve, drain.
 
 As vLLM's V1 does, the engine steps in its own process (:mod:`jaxllm.engine.core_process`)
-and this process serves HTTP; ``--api-server-count N`` > 1 serves from N front-end processes
-on one shared listening socket (:mod:`jaxllm.serve.frontends`). ``JAXLLM_ENABLE_MULTIPROCESSING
-=0`` keeps the engine on a thread of this process instead.
+and this process serves HTTP; ``--data-parallel-size N`` runs N engine-core processes
+(replicas) and balances requests over them; ``--api-server-count N`` > 1 serves from N
+front-end processes on one shared listening socket (:mod:`jaxllm.serve.frontends`).
+``JAXLLM_ENABLE_MULTIPROCESSING=0`` keeps the engine on a thread of this process instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jaxllm.serve.server import serve_forever
 
 from jaxllm.engine.async_engine import AsyncLLMEngine
 from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.core_process import EngineStartError, launch_engine_core
+from jaxllm.engine.core_process import EngineStartError, launch_engine_cores
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import JaxLLMError
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     if not server_config.engine_process:
         return _serve_in_process(engine_config, server_config)
     try:
-        handle = launch_engine_core(engine_config, server_config.api_server_count)
+        handles = launch_engine_cores(engine_config, server_config.api_server_count,
+                                      server_config.data_parallel_size)
     except EngineStartError as e:
         print(f"jaxllm serve: error: {e}", file=sys.stderr)
         return 1
@@ -50,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     if server_config.api_server_count > 1:
         from jaxllm.serve.frontends import run_front_ends
 
-        return run_front_ends(handle, server_config)
-    client = EngineCoreClient.for_handle(handle)
+        return run_front_ends(handles, server_config)
+    client = EngineCoreClient.for_handles(handles)
     try:
         return serve_forever(client, server_config)
     except OSError as e:  # e.g. the port is taken

@@ -19,6 +19,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.snapshot import EngineSnapshot
 
 TTFT_BUCKETS = (.001, .005, .01, .02, .04, .06, .08, .1, .25, .5, .75, 1, 2.5, 5, 7.5, 10)
 TPOT_BUCKETS = (.01, .025, .05, .075, .1, .15, .2, .3, .4, .5, .75, 1, 2.5)
@@ -213,3 +214,30 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily(f"jaxllm:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if len(self.snapshots.per_engine) > 1:
+            yield from self._per_engine(self.snapshots.per_engine)
+
+    def _per_engine(self, snapshots: list[EngineSnapshot]) -> Iterator[Metric]:
+        """Each data-parallel replica's state, labelled ``engine`` (as vLLM labels them); the
+        families above are the totals."""
+        gauges = [
+            ("num_requests_running", "Requests running on the device", "running"),
+            ("num_requests_waiting", "Requests waiting to be scheduled", "waiting"),
+            ("num_requests_swapped", "Requests swapped out to host memory", "swapped"),
+            ("kv_cache_usage_perc", "KV cache usage (1 = 100%)", "kv_usage"),
+            ("num_free_gpu_blocks", "Allocatable KV blocks (free or evictable)",
+             "num_free_blocks"),
+        ]
+        counters = [
+            ("engine_steps", "Engine steps run", "steps"),
+            ("engine_prompt_tokens", "Prompt tokens computed (recomputation included)",
+             "prompt_tokens"),
+            ("engine_generation_tokens", "Tokens generated", "generation_tokens"),
+        ]
+        for kinds, family_type in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
+            for name, doc, field in kinds:
+                family = family_type(f"jaxllm:{name}_per_engine", doc + ", per engine",
+                                     labels=["model_name", "engine"])
+                for engine, s in enumerate(snapshots):
+                    family.add_metric([self.model_name, str(engine)], getattr(s, field))
+                yield family

@@ -9,7 +9,7 @@ import logging
 import time
 
 from jaxllm.engine.engine_client import EngineClient, EngineDeadError
-from jaxllm.engine.snapshot import EngineSnapshot, host_rss_bytes
+from jaxllm.engine.snapshot import EngineSnapshot, host_rss_bytes, merge_snapshots
 
 logger = logging.getLogger("serve.stats")
 SNAPSHOT_TIMEOUT = 5.0  # seconds to wait for the engine; then reuse the last snapshot
@@ -17,17 +17,19 @@ SNAPSHOT_TIMEOUT = 5.0  # seconds to wait for the engine; then reuse the last sn
 
 class SnapshotCache:
     """The latest engine snapshot; ``refresh()`` asks the engine for a new one (taken between
-    two steps) and keeps the old one when the engine is dead or busy past the timeout."""
+    two steps) and keeps the old one when the engine is dead or busy past the timeout.
+    ``latest`` is the total over data-parallel replicas, ``per_engine`` each one's."""
 
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self.latest = EngineSnapshot(time=time.monotonic())
+        self.per_engine: list[EngineSnapshot] = [self.latest]
 
     async def refresh(self) -> EngineSnapshot:
         if self.engine.dead_error is None:
             try:
-                self.latest = await asyncio.wait_for(
-                    self.engine.snapshot(), SNAPSHOT_TIMEOUT)
+                per_engine = await asyncio.wait_for(self.engine.snapshots(), SNAPSHOT_TIMEOUT)
+                self.per_engine, self.latest = per_engine, merge_snapshots(per_engine)
             except (EngineDeadError, TimeoutError):
                 pass
             except Exception:  # a bug here must not take /metrics or the log line down

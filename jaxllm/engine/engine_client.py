@@ -93,6 +93,10 @@ class EngineClient:
         """The engine's state, taken between two steps."""
         raise NotImplementedError
 
+    async def snapshots(self) -> list[EngineSnapshot]:
+        """One snapshot per engine (data-parallel replica), whose total :meth:`snapshot` is."""
+        return [await self.snapshot()]
+
     async def abort_unfinished(self, request_ids: Iterable[str]) -> int:
         """Aborts those of ``request_ids`` the engine still runs (waiting, running or swapped),
         decided between two steps so that the count is exact; returns how many."""

@@ -69,6 +69,38 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         device_memory_limit=memory.get("bytes_limit"), host_rss_bytes=host_rss_bytes())
 
 
+def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
+    """The total over data-parallel replicas: counts, seconds and bytes summed; usage shares
+    over the pooled blocks (each replica's weighted by its blocks; the waste by its blocks in
+    use, the slots it is a share of); the time of the newest."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+
+    def total(name: str) -> float:
+        return sum(getattr(s, name) for s in snapshots)
+
+    def weighted(name: str, weights: list[float]) -> float:
+        return sum(getattr(s, name) * w for s, w in zip(snapshots, weights, strict=True)) / (
+            sum(weights) or 1)
+
+    def known_sum(name: str) -> int | None:
+        values = [getattr(s, name) for s in snapshots if getattr(s, name) is not None]
+        return sum(values) if values else None
+
+    blocks = [s.num_gpu_blocks or 1 for s in snapshots]
+    in_use = [s.kv_pool_utilisation * b for s, b in zip(snapshots, blocks, strict=True)]
+    fields = {f.name: total(f.name) for f in dataclasses.fields(EngineSnapshot)
+              if f.type in ("int", "float")}
+    fields.update(
+        time=max(s.time for s in snapshots), kv_usage=weighted("kv_usage", blocks),
+        cpu_kv_usage=total("cpu_kv_usage") / len(snapshots),  # swap spaces are the same size
+        kv_waste=weighted("kv_waste", in_use),
+        kv_pool_utilisation=weighted("kv_pool_utilisation", blocks),
+        **{name: known_sum(name) for name in ("device_memory_used", "device_memory_limit",
+                                              "host_rss_bytes")})
+    return EngineSnapshot(**fields)
+
+
 def _device_memory() -> dict:
     try:
         return jax.local_devices()[0].memory_stats() or {}
