@@ -15,8 +15,8 @@ import os
 
 from jaxllm.serve import security
 
-from jaxllm.engine.core_process import visible_gpus
 from jaxllm.engine.engine_config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
+from jaxllm.engine.replica_devices import visible_gpus
 from jaxllm.pooling_params import PoolingParams
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB

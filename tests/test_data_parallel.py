@@ -22,8 +22,9 @@ from test_server_shutdown import ROOT, free_port, healthy
 
 from jaxllm import EngineConfig, SamplingParams
 from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.core_process import launch_engine_cores, replica_device_env
+from jaxllm.engine.core_process import launch_engine_cores
 from jaxllm.engine.load_balancer import LoadBalancer, ReplicaLoad
+from jaxllm.engine.replica_devices import replica_device_env
 from jaxllm.engine.snapshot import EngineSnapshot, merge_snapshots
 
 BLOCK = 16

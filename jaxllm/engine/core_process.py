@@ -54,6 +54,7 @@ import zmq
 from jaxllm.engine.engine_client import EngineInfo
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.outputs import CompletionOutput, RequestOutput
+from jaxllm.engine.replica_devices import replica_device_env
 from jaxllm.engine.sequence import RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -153,12 +154,16 @@ def launch_engine_core(config: EngineConfig, num_frontends: int = 1) -> EngineCo
 
 def launch_engine_cores(config: EngineConfig, num_frontends: int = 1,
                         data_parallel_size: int = 1) -> list[EngineCoreHandle]:
-    """``data_parallel_size`` engine cores (replicas of the model, each over its own devices:
-    :func:`replica_device_env`), started together and each waited for as
+    """``data_parallel_size`` engine cores, replicas of the model each over its own devices
+    (:mod:`jaxllm.engine.replica_devices`), started together and each waited for as
     :func:`launch_engine_core` does; when one fails, the others are stopped and its error
     raised."""
     tp = config.tensor_parallel_size
-    envs = [replica_device_env(replica, tp, os.environ) for replica in range(data_parallel_size)]
+    try:
+        envs = [replica_device_env(replica, tp, os.environ)
+                for replica in range(data_parallel_size)]
+    except ValueError as e:
+        raise EngineStartError(str(e)) from None
     starting = [_start(config, num_frontends, replica, data_parallel_size, env)
                 for replica, env in enumerate(envs)]
     handles: list[EngineCoreHandle] = []
@@ -173,41 +178,6 @@ def launch_engine_cores(config: EngineConfig, num_frontends: int = 1,
             handle.stop()
         raise error
     return handles
-
-
-def visible_gpus(environ: os._Environ | dict) -> list[str] | None:
-    """The CUDA devices a process started now would see (ids as CUDA_VISIBLE_DEVICES takes
-    them), read without initializing JAX (that would claim the GPUs' memory here); None when
-    there are none to divide (a CPU host, or JAX told to use another platform)."""
-    platforms = environ.get("JAX_PLATFORMS", "")
-    if platforms and not any(p in platforms for p in ("cuda", "gpu")):
-        return None
-    listed = environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d for d in listed.split(",") if d.strip()] or None
-    try:
-        found = [name for name in os.listdir("/dev") if name.startswith("nvidia")
-                 and name[len("nvidia"):].isdigit()]
-    except OSError:
-        return None
-    return [str(i) for i in range(len(found))] or None
-
-
-def replica_device_env(replica: int, tensor_parallel_size: int,
-                       environ: os._Environ | dict) -> dict[str, str]:
-    """What replica ``replica``'s process must see set before JAX starts: on CUDA, devices
-    [replica * tp, (replica + 1) * tp) of those visible here; elsewhere nothing (a CPU
-    process has its own host devices)."""
-    gpus = visible_gpus(environ)
-    if gpus is None:
-        return {}
-    first = replica * tensor_parallel_size
-    mine = gpus[first:first + tensor_parallel_size]
-    if len(mine) < tensor_parallel_size:
-        raise EngineStartError(f"data-parallel replica {replica} needs GPUs "
-                               f"[{first}, {first + tensor_parallel_size}) but {len(gpus)} "
-                               "are visible")
-    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
 def _start(config: EngineConfig, num_frontends: int, replica: int, num_replicas: int,
