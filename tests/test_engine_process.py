@@ -214,9 +214,10 @@ def two_front_ends(tmp_path):
             proc.wait(30)
 
 
-def test_two_front_ends_serve_count_together_and_drain_on_sigterm(two_front_ends):
-    """SIGTERM goes to the whole process group, as Ctrl-C or GNU timeout send it: counted once
-    (by the launcher), it kills neither the front ends mid-drain nor the core."""
+def test_two_front_ends_serve_count_together_and_drain_on_ctrl_c(two_front_ends):
+    """SIGINT under load, to the whole process group as Ctrl-C sends it (GNU timeout sends
+    SIGTERM the same way): counted once, by the launcher, it kills neither the front ends
+    mid-drain nor the core. (SIGTERM to the server alone: tests/test_server_shutdown.py.)"""
     proc, url, log_path = two_front_ends
     front_ends, core = pids_in(log_path.read_text())
 
@@ -229,7 +230,7 @@ def test_two_front_ends_serve_count_together_and_drain_on_sigterm(two_front_ends
             # Requests in flight when the launcher is told to stop: each finishes.
             late = [asyncio.create_task(stream_text(session, b)) for b in bodies[:4]]
             await asyncio.sleep(0.5)
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGINT)
             finished = await asyncio.gather(*late)
             return statuses, metrics, finished
 
