@@ -40,6 +40,9 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
+        for flag in ("json_object", "disable_any_whitespace"):  # also: the cache key hashes them
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"structured_outputs.{flag} must be a boolean")
         given = [name for name in ("json", "regex", "choice", "grammar")
                  if getattr(self, name) is not None] + (["json_object"] if self.json_object
                                                           else [])

@@ -166,6 +166,11 @@ BAD = [
     ("bad regex", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ("grammar cannot compile", {"structured_outputs": {"grammar": "start: missing_rule"}},
      "structured_outputs"),
+    # Found by the long fuzz run (2026-12-02): a non-boolean flag reached the grammar cache's
+    # hash and gave a 500.
+    ("flag not a boolean", {"structured_outputs": {"json_object": [1]}}, "structured_outputs"),
+    ("whitespace flag not a boolean", {"structured_outputs": {
+        "regex": "a+", "disable_any_whitespace": {"x": 1}}}, "structured_outputs"),
     ("two constraints", {"guided_regex": "a+", "response_format": {"type": "json_object"}},
      "guided_regex"),
     ("unknown tool", {"tools": [WEATHER_TOOL], "tool_choice": {
