@@ -31,7 +31,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 
 import requests
+from jaxllm.benchmarks import server_process
 from jaxllm.benchmarks.provenance import source_commit
 
 MAX_TOKENS = 2  # per generated request: fuzzing is about requests, not decode steps
@@ -408,30 +408,17 @@ def metrics_state_reader(base_url: str) -> Callable[[], dict]:
 
 
 def start_server(port: int) -> subprocess.Popen:
-    """``jaxllm serve`` of the embedded model in its own process (benchmarks never import the
-    server), with the tests' engine limits; returns once it answers /health."""
+    """``jaxllm serve`` of the embedded model in its own process, with the tests' engine
+    limits; returns once it answers /health."""
     flags = [f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
              for name, value in ENGINE_ARGS.items()]
-    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--dtype", "float32", "--api-key", API_KEY,
-                             "--served-model-name", "smollm2", "alias", "--disable-log-stats",
-                             *flags])
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return proc
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"jaxllm serve did not become healthy (exit code {proc.poll()})")
+    return server_process.start_server(port, [
+        "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "smollm2", "alias",
+        "--disable-log-stats", *flags])
 
 
 def run(args: argparse.Namespace) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = server_process.free_port()
     headers = {"Authorization": f"Bearer {API_KEY}"}
     started = time.monotonic()
     server = start_server(port)

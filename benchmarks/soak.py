@@ -27,11 +27,12 @@ import os
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from jaxllm.benchmarks import server_process
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 TOPICS = ["the sea", "a robot", "bread", "winter", "a library", "trains", "the moon", "tea"]
@@ -213,37 +214,16 @@ def second_half_growth(samples: list[dict], key: str) -> float | None:
     return (end - middle) / middle
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, port: int, log_path: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxllm.serve", "--host", "127.0.0.1", "--port", str(port),
-           "--disable-log-requests", *args.server_args]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + args.start_timeout
-    import urllib.request
-
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log_path}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"the server was not healthy within {args.start_timeout} s")
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return server_process.start_server(port, ["--disable-log-requests", *args.server_args],
+                                           stdout=log, timeout=args.start_timeout)
 
 
 def run(args) -> dict:
     """The soak; exits 1 (SystemExit) after writing its report when a check failed."""
     args.server_args = [a for a in args.server_args if a != "--"]
-    port = free_port()
+    port = server_process.free_port()
     base_url = f"http://127.0.0.1:{port}"
     log_path = args.server_log or (os.path.splitext(args.output_json or "soak")[0] + "_server.log")
     proc = start_server(args, port, log_path)

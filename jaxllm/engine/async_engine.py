@@ -124,8 +124,7 @@ class AsyncLLMEngine(EngineClient):
         return await self.run_in_engine(abort)
 
     def _submit(self, command: Callable[[], None]) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        self.check_alive()
         self._commands.put(command)
         self._wake.set()
 
