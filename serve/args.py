@@ -124,6 +124,9 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                    help="Hugging Face model directory or .gguf file (default: the embedded "
                         "SmolLM2-135M-Instruct)")
     p.add_argument("--model", default=None, help="same as MODEL")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer replacing the model's: a Hugging Face directory, a "
+                        "tokenizer.json or a .gguf file (e.g. for --load-format dummy)")
     front = p.add_argument_group("server")
     front.add_argument("--host", default=None, help="address to bind (default: all interfaces)")
     front.add_argument("--port", type=int, default=8000)
@@ -238,8 +241,8 @@ def configs_from_args(args: argparse.Namespace,
             "with int8 or fp8 at load time and reads 4-bit awq and gptq and "
             "compressed-tensors fp8 checkpoints")
     engine = EngineConfig(
-        model=model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        model=model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
+        seed=args.seed, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization, swap_space=args.swap_space,
         cpu_kv_cache_space=args.cpu_kv_cache_space,

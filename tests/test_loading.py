@@ -67,6 +67,30 @@ def test_dummy_weights_have_the_real_shapes_without_reading_files():
     assert jaxllm.load_model(path, load_format="dummy").config.tie_word_embeddings
 
 
+def test_tokenizer_flag_gives_dummy_weights_a_tokenizer(tmp_path, smollm2_header):
+    """vLLM's --tokenizer: a tokenizer.json (no special-token roles: EOS from the model), a
+    .gguf or an HF directory replaces the model's; a missing path fails before any weight."""
+    from jaxllm.loading import default_model_path
+
+    _, gguf_tokenizer = smollm2_header
+    path = str(tmp_path / "tokenizer.json")
+    gguf_tokenizer.backend_tokenizer.save(path)
+    cfg = ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, eos_token_ids=(2,))
+    model = jaxllm.load_model(load_format="dummy", config=cfg, tokenizer=path)
+    ids = gguf_tokenizer("paged attention")["input_ids"]
+    assert model.tokenizer("paged attention")["input_ids"] == ids
+    assert model.tokenizer.eos_token_id == 2
+    assert model.tokenizer.decode(ids) == "paged attention"
+    from_gguf = jaxllm.load_model(load_format="dummy", config=cfg,
+                                  tokenizer=default_model_path())
+    assert from_gguf.tokenizer.chat_template == gguf_tokenizer.chat_template
+    assert jaxllm.load_model(load_format="dummy", config=cfg).tokenizer is None
+    with pytest.raises(ModelLoadError, match="--tokenizer .*no such file"):
+        jaxllm.load_model(load_format="dummy", config=cfg, tokenizer=str(tmp_path / "none"))
+
+
 def test_missing_model_path():
     with pytest.raises(ModelLoadError, match="does not exist"):
         jaxllm.load_model("/no/such/model")

@@ -44,6 +44,8 @@ def test_vllm_flags_map_onto_the_engine_config():
     assert [configs(*flag)[0].unroll_layers for flag in
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
     assert configs("-tp", "2")[0].tensor_parallel_size == 2
+    assert configs("--tokenizer", "/t/tokenizer.json")[0].tokenizer == "/t/tokenizer.json"
+    assert defaults.tokenizer is None
     assert configs("-q", "int8")[0].quantization == "int8"
     assert configs("--quantization", "fp8")[0].quantization == "fp8"
     assert server.pooler_config == PoolingParams("LAST", normalize=True)

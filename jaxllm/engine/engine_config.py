@@ -22,6 +22,8 @@ class EngineConfig:
     (from the model config and the device) and then frozen again."""
 
     model: str | None = None  # HF dir, .gguf file or config.json (dummy); None = default model
+    # A tokenizer replacing the model's (HF dir, tokenizer.json or .gguf; vLLM's --tokenizer).
+    tokenizer: str | None = None
     dtype: str = "auto"
     load_format: str = "auto"
     seed: int = 0

@@ -86,7 +86,8 @@ class LLMEngine:
                                    load_format=config.load_format, seed=config.seed,
                                    unroll_layers=config.unroll_layers,
                                    tensor_parallel_size=config.tensor_parallel_size,
-                                   quantization=config.quantization)
+                                   quantization=config.quantization,
+                                   tokenizer=config.tokenizer)
             elif model.mesh is not None and config.tensor_parallel_size == 1:
                 # An already sharded model brings its own size.
                 config = config.replace(tensor_parallel_size=model.tensor_parallel_size)

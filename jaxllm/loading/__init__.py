@@ -146,7 +146,8 @@ def resolve_dtype(dtype: str | Any, config: ModelConfig) -> Any:
 def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
                seed: int = 0, unroll_layers: bool = False,
-               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None,
+               tokenizer: str | None = None) -> LoadedModel:
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, a ``jaxllm convert``
     checkpoint directory, or None for the default).
 
@@ -159,13 +160,23 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     machine cannot take is refused before any weight is read. ``quantization``
     (:mod:`jaxllm.quantization`; a checkpoint's own ``quantization_config`` is read too) is
     checked before any weight is read and applied to each leaf as it is loaded.
+    ``tokenizer`` (a HF directory, ``tokenizer.json`` or ``.gguf``) replaces the model's own
+    (vLLM's ``--tokenizer``): e.g. one for dummy weights, which have none.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     if tensor_parallel_size != 1:  # the size alone, before anything is opened
         check_device_count(tensor_parallel_size)
-    return _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
-                   quantization).load(model, config)
+    if tokenizer is not None and not os.path.exists(os.path.expanduser(tokenizer)):
+        raise ModelLoadError(f"--tokenizer {tokenizer}: no such file or directory")
+    loaded = _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
+                     quantization).load(model, config)
+    if tokenizer is None:
+        return loaded
+    from jaxllm.loading.tokenizer import load_tokenizer
+
+    return dataclasses.replace(loaded, tokenizer=load_tokenizer(
+        tokenizer, loaded.config.eos_token_ids))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,29 @@ def load_hf_tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
+def load_tokenizer(path: str, eos_token_ids: tuple[int, ...] = ()) -> Any:
+    """The tokenizer at ``path`` (vLLM's ``--tokenizer``): a Hugging Face directory, a
+    ``tokenizer.json`` file or a ``.gguf`` file. A ``tokenizer.json`` carries no special-token
+    roles, so its EOS is set to the model's first EOS id that it holds."""
+    path = os.path.expanduser(path)
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
+    if path.endswith(".gguf"):
+        from jaxllm.loading.gguf_reader import read_gguf
+
+        return tokenizer_from_gguf(read_gguf(path).metadata)
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=path)
+    except Exception as e:  # tokenizers raises its own exception types for a bad file
+        raise ModelLoadError(f"--tokenizer {path}: not a tokenizer.json ({e})") from e
+    known = [t for t in eos_token_ids if t < len(tokenizer)]
+    if known:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(known[0]))
+    return tokenizer
+
+
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Any:
     """Builds the byte-level BPE tokenizer stored in GGUF ``tokenizer.ggml.*`` fields."""
     from tokenizers import (
