@@ -62,8 +62,13 @@ case $CMD in
     mkdir -p "$DIR"; rm -rf "${DIR:?}"/*
     nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv 2>/dev/null
     $PY -c 'import jax; print("jax", jax.__version__, jax.devices())'
-    setsid nohup bash "$0" "$CHAIN_FILE" chain > "$DIR/chain.log" 2>&1 < /dev/null &
-    echo $! > "$DIR/chain.pid"; echo "chain started (pid $(cat "$DIR/chain.pid"))" ;;
+    # The chain runs from a copy of the tree: a later device call re-syncs the working tree
+    # under it, and a step that starts after that would import the newer files.
+    TREE=/tmp/chain_tree_$NAME; rm -rf "$TREE"; mkdir -p "$TREE"
+    tar --exclude=./.git --exclude=./.venv -cf - . | tar -C "$TREE" -xf -
+    (cd "$TREE" && setsid nohup bash "$0" "$CHAIN_FILE" chain > "$DIR/chain.log" 2>&1 < /dev/null &)
+    sleep 1; pgrep -f "$CHAIN_FILE chain" | head -1 > "$DIR/chain.pid"
+    echo "chain started (pid $(cat "$DIR/chain.pid")) in $TREE" ;;
   chain)
     SECONDS=0; steps
     failed=0; [ -f "$DIR/failed" ] && failed=1

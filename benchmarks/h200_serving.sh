@@ -14,12 +14,17 @@
 MODEL=${MODEL:-llama-3-8b}; DTYPE=${DTYPE:-bfloat16}; PY=${PY:-python3}; N=${N:-1000}
 ENGINE=${ENGINE:---max-num-seqs 256 --max-num-batched-tokens 2048 --num-gpu-blocks-override 48000 --unroll-layers}
 SERVE_RATES=${SERVE_RATES:-inf,10}
+# SERVE_FLAGS: more server flags, e.g. "--tokenizer .gpu_deps/smollm2_tokenizer.json" (dummy
+# weights have no tokenizer; with one the client needs no logprobs to see every token).
+# ONLY: the steps to run (default all); FP8_ENV: environment for the fp8 step (XLA_FLAGS).
+SERVE_FLAGS=${SERVE_FLAGS:-}; ONLY=${ONLY:-s1 s2 s3 s4 s5}
 export PYTHONPATH=.:.gpu_deps
+want() { [[ " $ONLY " == *" $1 "* ]]; }
 
 offline() {
   local name=$1; shift
   # shellcheck disable=SC2086  # word splitting of the flag strings is intended
-  step "$name" "$1" "$2" $PY -m jaxllm.benchmarks throughput --model "$MODEL" --load-format \
+  step "$name" "$1" "$2" env ${STEP_ENV:-} $PY -m jaxllm.benchmarks throughput --model "$MODEL" --load-format \
     dummy --dtype "$DTYPE" --no-progress --backend jaxllm $ENGINE --dataset-name sharegpt-like \
     --num-prompts "$N" "${@:3}" --output-json "$DIR/$name.json"
 }
@@ -29,7 +34,7 @@ served() {
   local name=$1 rates=$2; shift 2
   # shellcheck disable=SC2086
   env "$@" $PY -m jaxllm.serve --model "$MODEL" --load-format dummy --dtype "$DTYPE" \
-    --port 8000 --disable-log-requests $ENGINE > "$DIR/${name}_server.log" 2>&1 &
+    --port 8000 --disable-log-requests $ENGINE $SERVE_FLAGS > "$DIR/${name}_server.log" 2>&1 &
   local server=$! t0=$SECONDS
   until curl -sf localhost:8000/health > /dev/null; do
     sleep 2
@@ -50,14 +55,16 @@ served() {
 }
 
 steps() {
-  offline s1_offline 150 300
+  want s1 && offline s1_offline 150 300
   export -f served
-  step s2_served_core_process 150 300 bash -c "DIR=$DIR PY=$PY MODEL=$MODEL DTYPE=$DTYPE \
-    N=$N ENGINE='$ENGINE'; served s2_core $SERVE_RATES"
-  offline s3_offline 90 200
-  offline s4_offline_fp8 120 300 --quantization fp8
-  step s5_served_in_process 90 200 bash -c "DIR=$DIR PY=$PY MODEL=$MODEL DTYPE=$DTYPE \
-    N=$N ENGINE='$ENGINE'; served s5_thread inf JAXLLM_ENABLE_MULTIPROCESSING=0"
+  want s2 && step s2_served_core_process 150 300 bash -c "DIR=$DIR PY=$PY MODEL=$MODEL \
+    DTYPE=$DTYPE N=$N ENGINE='$ENGINE' SERVE_FLAGS='$SERVE_FLAGS'; served s2_core $SERVE_RATES"
+  want s3 && offline s3_offline 90 200
+  want s4 && STEP_ENV=${FP8_ENV:-} offline s4_offline_fp8 120 300 --quantization fp8
+  want s5 && step s5_served_in_process 90 200 bash -c "DIR=$DIR PY=$PY MODEL=$MODEL \
+    DTYPE=$DTYPE N=$N ENGINE='$ENGINE' SERVE_FLAGS='$SERVE_FLAGS'; served s5_thread inf \
+    JAXLLM_ENABLE_MULTIPROCESSING=0"
+  return 0
 }
 
 summary() { $PY -m jaxllm.benchmarks.chain_summary "$DIR"; }
