@@ -61,6 +61,15 @@ class EngineConfig:
     # The KV pool's dtype: "auto" (the model's) or "fp8" (float8_e4m3fn, scale 1, as vLLM's
     # uncalibrated fp8 cache: half the bytes, twice the blocks; jaxllm.kv_pool.kv_cache_dtype).
     kv_cache_dtype: str = "auto"
+    # Multi-host (vLLM's --nnodes/--node-rank/--master-addr/--master-port): one model over the
+    # devices of ``nnodes`` processes, one a host, joined by jax.distributed. Node rank 0 (the
+    # leader) schedules and serves; the others replay its device launches
+    # (jaxllm.engine.multihost). The JAX coordinator listens on master_addr:master_port, the
+    # leader's step channel on master_port + 1.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -93,6 +102,15 @@ class EngineConfig:
              f"{SCHEDULING_POLICIES}")
         need(self.preemption_mode in PREEMPTION_MODES,
              f"preemption_mode={self.preemption_mode!r} must be one of recompute, swap")
+        need(self.nnodes >= 1, f"nnodes={self.nnodes} must be >= 1")
+        need(0 <= self.node_rank < self.nnodes,
+             f"node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+        need(1 <= self.master_port <= 65534,
+             f"master_port={self.master_port} must be in [1, 65534] (the leader's step "
+             "channel takes master_port + 1)")
+        need(self.nnodes == 1 or self.preemption_mode != "swap",
+             "preemption_mode='swap' is not supported with nnodes > 1 (each node would need "
+             "its shards' swap space); preempted requests are recomputed")
         need(self.prefix_caching_hash_algo in HASH_ALGOS,
              f"prefix_caching_hash_algo={self.prefix_caching_hash_algo!r} must be one of "
              f"{HASH_ALGOS}")
