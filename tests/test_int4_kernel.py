@@ -1,5 +1,6 @@
-"""The 4-bit matmul kernel (pallas_kernels/quantized_matmul) against its reference, run by the
-Pallas interpreter on CPU; linear()'s choice of path; dummy AWQ weights running a model."""
+"""The 4-bit matmul and GEMV kernels (pallas_kernels/quantized_matmul) against their reference,
+run by the Pallas interpreter on CPU; the GEMV lowered to Triton for an H200 (no GPU needed);
+linear()'s choice of path; dummy AWQ weights running a model."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxllm.pallas_kernels.quantized_matmul import (
+    Int4GemvConfig,
     Int4MatmulConfig,
+    gemv_unsupported,
+    int4_gemv,
     int4_matmul,
     int4_matmul_reference,
     unsupported,
@@ -19,7 +24,14 @@ from jaxllm.pallas_kernels.quantized_matmul import (
 from tiny_models import TINY
 
 import jaxllm
-from jaxllm.layers.linear import INT4_KERNEL_MAX_TOKENS, Int4Weight, int4_uses_kernel, linear
+from jaxllm.layers.linear import (
+    INT4_GEMV_MAX_TOKENS,
+    INT4_KERNEL_MAX_TOKENS,
+    Int4Weight,
+    int4_kernel,
+    int4_uses_kernel,
+    linear,
+)
 from jaxllm.model_config import ModelConfig
 from jaxllm.quantization.int4_checkpoint import pack_rows
 
@@ -36,17 +48,23 @@ def int4_weight(k: int, n: int, group: int, dtype, seed: int = 0) -> Int4Weight:
     return Int4Weight(jnp.asarray(pack_rows(q)), scales, zeros)
 
 
-def assert_close(got, want, x, w: Int4Weight):
+def assert_close(got, want, x, w: Int4Weight, scale_on_output: bool = False):
     """Both sides dot the same dequantized weight (identical elementwise: (q - z) is exact and
     the product by the scale rounds once in x's dtype) and accumulate in float32 in different
     orders, which differ by at most 2 K eps32 sum_k |x_k w_kn| (the summation bound, twice).
-    A bfloat16 result is then rounded once on each side: one more bf16 ulp, 2^-7 |y|."""
+    A bfloat16 result is then rounded once on each side: one more bf16 ulp, 2^-7 |y|.
+    ``scale_on_output`` (the GEMV): the kernel multiplies float32 sums of x (q - z) by the
+    scale instead of rounding each weight (q - z) s to x's dtype as the reference does, so the
+    reference's own weight rounding, half an ulp of each weight (2^-8 in bf16), adds to the
+    bound."""
     x32 = np.abs(np.asarray(x, np.float64)).reshape(-1, x.shape[-1])
     w32 = np.abs(np.asarray(w.dequantize(x.dtype), np.float64))
     bound = 2 * x.shape[-1] * np.finfo(np.float32).eps * (x32 @ w32)
     want = np.asarray(want, np.float64).reshape(bound.shape)
     if x.dtype == jnp.bfloat16:
         bound = bound + 2.0 ** -7 * np.abs(want)
+        if scale_on_output:
+            bound = bound + 2.0 ** -8 * (x32 @ w32)
     err = np.abs(np.asarray(got, np.float64).reshape(bound.shape) - want)
     assert got.dtype == x.dtype
     assert np.all(err <= bound), (err.max(), bound[err > bound][:4])
@@ -84,17 +102,76 @@ def test_unsupported_shapes_are_named():
         Int4MatmulConfig(block_k=64)
 
 
-def test_linear_runs_the_kernel_only_where_asked_and_able():
+# (K, N, group, tokens, dtype, config): groups smaller than a step (32) and one group over
+# all K; token counts padded to a power of two (3, 5); N not a multiple of block_n (100); the
+# 1-2 token accumulator, the per-step reduction (4, 16) and the dot variant.
+GEMV_CASES = [
+    (256, 128, 128, 1, jnp.float32, Int4GemvConfig()),
+    (256, 128, 32, 3, jnp.float32, Int4GemvConfig(num_splits=2)),
+    (512, 100, 64, 5, jnp.bfloat16, Int4GemvConfig(block_n=32)),
+    (256, 128, 256, 16, jnp.bfloat16, Int4GemvConfig(block_words=8, num_splits=4)),
+    (256, 128, 128, 16, jnp.bfloat16, Int4GemvConfig(dot=True, evict_first=True)),
+    (128, 96, 32, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, num_warps=2)),
+]
+
+
+@pytest.mark.parametrize("k,n,group,m,dtype,config", GEMV_CASES)
+def test_gemv_equals_reference(k, n, group, m, dtype, config):
+    w = int4_weight(k, n, group, dtype, seed=m)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), dtype)
+    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=group, interpret=True,
+                    config=config)
+    assert got.shape == (m, n)
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=group)
+    assert_close(got, want, x, w, scale_on_output=True)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+def test_gemv_lowers_to_triton_for_the_h200():
+    """The Triton lowering (run by JAX in Python; no GPU needed) of the shapes the engine runs:
+    catches a primitive with no Triton rule or a load that is not a power of two in size,
+    which interpret mode does not."""
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    cases = [(1, 4096, 28672, 128, None), (4, 14336, 4096, 128, None),
+             (16, 4096, 6144, 128, Int4GemvConfig(dot=True)), (3, 512, 100, 32, None)]
+    for m, k, n, group, config in cases:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in [
+            ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
+            ((k // group, n), jnp.uint8)]]
+        fn = jax.jit(lambda x, q, s, z, g=group, c=config: int4_gemv(x, q, s, z, group_size=g,
+                                                                     config=c))
+        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "int4_gemv" in text
+
+
+def test_gemv_unsupported_shapes_and_configs_are_named():
+    assert gemv_unsupported(1, 4096, 28672, 128) is None
+    assert gemv_unsupported(16, 8192, 57344, 8192) is None  # 70B gate_up, one group
+    assert gemv_unsupported(1, 64, 96, 32) is None  # the tiny models' widths
+    assert "group_size" in gemv_unsupported(1, 256, 128, 100)
+    assert "dot" in gemv_unsupported(16, 256, 128, 64, Int4GemvConfig(dot=True))
+    assert "splits" in gemv_unsupported(1, 256, 128, 128, Int4GemvConfig(num_splits=4))
+    with pytest.raises(ValueError, match="block_n"):
+        Int4GemvConfig(block_n=96)
+    with pytest.raises(ValueError, match="block_words"):
+        Int4GemvConfig(block_words=8, dot=True)
+
+
+def test_linear_runs_the_kernels_only_where_asked_and_able():
     w = int4_weight(K, N, 128, jnp.float32)
     x = jnp.ones((4, K), jnp.float32)
     assert jax.default_backend() == "cpu"
-    assert not int4_uses_kernel(x, w)  # auto: the kernel is for GPUs
-    assert int4_uses_kernel(x, w, "pallas_interpret")
+    assert not int4_uses_kernel(x, w)  # auto: the kernels are for GPUs
+    assert int4_kernel(x, w, "pallas_interpret") == "gemv"
     assert not int4_uses_kernel(x, w, "xla")
+    more = jnp.ones((INT4_GEMV_MAX_TOKENS + 1, K), jnp.float32)
+    assert int4_kernel(more, w, "pallas") == "matmul"
     many = jnp.ones((INT4_KERNEL_MAX_TOKENS + 1, K), jnp.float32)
     assert not int4_uses_kernel(many, w, "pallas")
-    small = int4_weight(64, N, 32, jnp.float32)  # K=64: no whole block_k
-    assert not int4_uses_kernel(jnp.ones((1, 64)), small, "pallas")
+    small = int4_weight(64, N, 32, jnp.float32)  # K=64: the GEMV takes it, the matmul cannot
+    assert int4_kernel(jnp.ones((1, 64)), small, "pallas") == "gemv"
+    assert not int4_uses_kernel(jnp.ones((INT4_GEMV_MAX_TOKENS + 1, 64)), small, "pallas")
     tp2 = types.SimpleNamespace(shape={"tp": 2})  # sharded weights keep XLA's path
     assert not int4_uses_kernel(x, w, "pallas", mesh=tp2)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), w)  # [L, ..]: only per-layer slices
@@ -109,7 +186,8 @@ def test_linear_on_cpu_is_the_xla_path_bit_for_bit_and_the_kernel_agrees():
     before = jnp.dot(x, w.dequantize(x.dtype))  # linear()'s 4-bit path before the kernel
     np.testing.assert_array_equal(np.asarray(linear(x, w), np.float32),
                                   np.asarray(before, np.float32))
-    assert_close(linear(x, w, int4_backend="pallas_interpret"), before, x, w)
+    assert_close(linear(x, w, int4_backend="pallas_interpret"), before, x, w,
+                 scale_on_output=True)  # 3 tokens: the GEMV
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

@@ -20,11 +20,12 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
 - :class:`Int4Weight`: 4-bit weight-only with a scale and a zero point per group of input rows
   and output column, read from AWQ and GPTQ checkpoints
   (:mod:`jaxllm.quantization.int4_checkpoint` repacks both into this one layout). It stays
-  packed on the device. On a GPU, a projection of at most :data:`INT4_KERNEL_MAX_TOKENS`
-  tokens runs the Pallas kernel of ``pallas_kernels/quantized_matmul``, which dequantizes
-  tile by tile in registers (decode reads a quarter of bf16's bytes); elsewhere, for more
-  tokens, under tensor parallelism, or for a shape the kernel cannot tile, XLA dequantizes the
-  whole weight and dots it (the kernel's reference: CPU results are that path's).
+  packed on the device. On a GPU, a projection of at most :data:`INT4_GEMV_MAX_TOKENS`
+  tokens runs the GEMV kernel of ``pallas_kernels/quantized_matmul`` (each packed word read
+  once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
+  both dequantize in registers (decode reads a quarter of bf16's bytes). Elsewhere, for more
+  tokens, under tensor parallelism, or for a shape the kernels cannot tile, XLA dequantizes
+  the whole weight and dots it (the kernels' reference: CPU results are that path's).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from jax.sharding import Mesh
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
     dequantize_int4,
+    gemv_unsupported,
+    int4_gemv,
     int4_matmul,
     int4_matmul_reference,
     unsupported,
@@ -137,13 +140,19 @@ class Int4Weight:
 # Token counts up to this run the 4-bit kernel on a GPU; more go through XLA's dequantize and
 # cuBLAS, where the weight is read once for many tokens and the kernel's small tiles lose.
 INT4_KERNEL_MAX_TOKENS = 64
+# Token counts up to this run the GEMV kernel instead (FMAs, no dot padded to 16 rows). NOTE:
+# 16 is where its FMAs (one per weight per token) stop being cheap beside the weight read, by
+# count (H200: ~33 T FP32 instructions/s against ~9.6 T weights/s at 4.8 TB/s), not yet by a
+# measurement: benchmarks/int4_matmul.py prints both kernels at 1, 4 and 16 tokens.
+INT4_GEMV_MAX_TOKENS = 16
 INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
-def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
-                     mesh: Mesh | None = None) -> bool:
-    """Static: does :func:`linear` run this 4-bit projection through the Pallas kernel?
-    "auto" means "pallas" when tracing for a GPU (the default backend), else "xla"."""
+def int4_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
+                mesh: Mesh | None = None) -> str | None:
+    """Static: which Pallas kernel :func:`linear` runs this 4-bit projection through: "gemv",
+    "matmul", or None (XLA's dequantize and dot). "auto" means "pallas" when tracing for a GPU
+    (the default backend), else "xla"."""
     if backend not in INT4_BACKENDS:
         raise ValueError(f"int4 backend {backend!r} must be one of {INT4_BACKENDS}")
     if backend == "auto":
@@ -154,9 +163,20 @@ def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
     # partitioner (it would gather the whole weight onto every device): sharded projections
     # keep XLA's path until the kernel is wrapped in shard_map per split (columns: local;
     # rows: local, then psum).
-    return (backend != "xla" and not lead and tokens <= INT4_KERNEL_MAX_TOKENS
-            and tensor_parallel_size(mesh) == 1
-            and unsupported(tokens, k, n, kernel.group_size) is None)
+    if backend == "xla" or lead or tensor_parallel_size(mesh) != 1:
+        return None
+    if tokens <= INT4_GEMV_MAX_TOKENS and gemv_unsupported(tokens, k, n,
+                                                           kernel.group_size) is None:
+        return "gemv"
+    if tokens <= INT4_KERNEL_MAX_TOKENS and unsupported(tokens, k, n, kernel.group_size) is None:
+        return "matmul"
+    return None
+
+
+def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
+                     mesh: Mesh | None = None) -> bool:
+    """Static: does :func:`linear` run this 4-bit projection through a Pallas kernel?"""
+    return int4_kernel(x, kernel, backend, mesh) is not None
 
 
 def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
@@ -171,14 +191,16 @@ def linear(x: jax.Array, kernel, *, int4_backend: str = "auto",
            mesh: Mesh | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
     """``x @ kernel`` for a float or quantized kernel. ``int4_backend`` ("auto", "xla",
     "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
-    (:func:`int4_uses_kernel`)."""
+    (:func:`int4_kernel`)."""
     if isinstance(kernel, Fp8Weight):
         return _fp8_linear(x, kernel)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
-        if int4_uses_kernel(x, kernel, int4_backend, mesh):
-            return int4_matmul(*parts, group_size=kernel.group_size,
-                               interpret=int4_backend == "pallas_interpret")
+        impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(
+            int4_kernel(x, kernel, int4_backend, mesh))
+        if impl is not None:
+            return impl(*parts, group_size=kernel.group_size,
+                        interpret=int4_backend == "pallas_interpret")
         return int4_matmul_reference(*parts, group_size=kernel.group_size)
     if isinstance(kernel, Int8Weight):
         y = jnp.dot(x, kernel.q.astype(x.dtype))

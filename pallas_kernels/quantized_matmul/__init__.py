@@ -1,13 +1,17 @@
 """4-bit (AWQ / GPTQ) weight matmul: ``x @ dequantize(qweight, scales, zeros)``.
 
-:func:`int4_matmul` is a Pallas kernel for the Triton GPU backend that dequantizes in
-registers (pass ``interpret=True`` to run it on CPU); :func:`int4_matmul_reference`, with the
-same signature, dequantizes the whole weight in XLA and is the spec. :func:`unsupported` says
-why a shape cannot go through the kernel (callers then use the reference).
+:func:`int4_gemv` (1-16 tokens: FMAs, each packed word read once) and :func:`int4_matmul`
+(more tokens: tensor-core dots over tiles) are Pallas kernels for the Triton GPU backend that
+dequantize in registers (pass ``interpret=True`` to run them on CPU);
+:func:`int4_matmul_reference`, with the same signature, dequantizes the whole weight in XLA and
+is the spec. :func:`gemv_unsupported` and :func:`unsupported` say why a shape cannot go through
+either kernel (callers then use the reference).
 """
 
+from .gemv import Int4GemvConfig, gemv_config, gemv_unsupported, int4_gemv
 from .kernel import Int4MatmulConfig, int4_matmul, unsupported
 from .reference import PER_WORD, dequantize_int4, int4_matmul_reference
 
-__all__ = ["PER_WORD", "Int4MatmulConfig", "dequantize_int4", "int4_matmul",
-           "int4_matmul_reference", "unsupported"]
+__all__ = ["PER_WORD", "Int4GemvConfig", "Int4MatmulConfig", "dequantize_int4", "gemv_config",
+           "gemv_unsupported", "int4_gemv", "int4_matmul", "int4_matmul_reference",
+           "unsupported"]

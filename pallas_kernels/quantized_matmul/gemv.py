@@ -1,0 +1,246 @@
+"""4-bit weight GEMV in Pallas (Triton backend): a decode projection of 1-16 tokens.
+
+At a few tokens the projection is bound by reading the packed weight (K N / 2 bytes), so each
+int32 word is read once, unpacked in registers and multiplied by the activations with plain
+FMAs (no tensor-core dot padded to 16 rows: at 1 token that is 15 rows of wasted work and a
+register reshuffle per tile). Per word row r of a step and nibble j, input row 8r + j::
+
+    bits  = (word >> shift_j) & (0xF << p_j) | 0x4B000000     float32 2^23 + q 2^p_j, exact
+    w     = bits - (2^23 + z[g, n] 2^p_j)                       (q - z) 2^p_j, exact
+    part += (x[m, 8r + j] 2^-p_j) * w                           [M, rows, block_n] f32
+    acc  += s[g, n] * part                                      once per step (one group)
+    y     = sum over the step's rows of acc                     once per program
+
+The OR with 2^23's bit pattern turns the nibble into a float without an int-to-float
+conversion (a quarter-rate instruction on Hopper), and the nibble is masked where it sits
+(p_j = 4j for j < 5; the upper three come from the word shifted by 12), so most nibbles cost
+one logic op. The scale multiplies a step's partial sums, not every weight: a step never
+crosses a group. At 1-2 tokens the step's rows are reduced once at the end of the program;
+with more tokens that accumulator would not fit in registers, so each step reduces its rows.
+
+    grid = (cdiv(N, block_n), splits)
+    program (c, s): word rows [s K/8/splits, (s+1) K/8/splits), columns [c block_n, ..)
+                    -> f32 partial [M', block_n] of split s; XLA sums the splits (one small
+                    fusion, deterministic) and casts
+
+Split-K gives the H200's 132 SMs enough programs at N = 4096 (32 column blocks of 128).
+``dot=True`` swaps the FMAs for a tensor-core dot over rows padded to 16 (the same unpack),
+for the benchmark to compare at 8-16 tokens. :func:`int4_gemv` has the signature of
+:func:`~.reference.int4_matmul_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .reference import PER_WORD
+
+MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
+TWO_23 = float(2**23)
+HIGH_SHIFT = 12  # nibbles 5..7 are read from the word shifted by this (positions 8, 12, 16)
+DOT_ROWS = 16  # the smallest M and K Triton's dot takes
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _pow2_divisor(n: int) -> int:
+    return n & -n
+
+
+def nibble_position(j: int) -> tuple[int, int]:
+    """(shift of the word, bit position of nibble j in the shifted word) with the position
+    at most 16 so that ``nibble << position`` stays inside float32's 23-bit mantissa."""
+    return (0, 4 * j) if 4 * j + 4 <= 20 else (HIGH_SHIFT, 4 * j - HIGH_SHIFT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4GemvConfig:
+    """Tunables of the GEMV kernel (static: each distinct config is one compile)."""
+
+    block_n: int = 128  # output columns per program
+    block_words: int = 16  # word rows (8 input rows each) per step; capped by the group
+    num_splits: int | None = None  # split-K partitions; None: auto
+    target_programs: int = 512  # auto: double the splits while the grid is smaller than this
+    max_splits: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+    dot: bool = False  # tensor-core dot over rows padded to 16 instead of FMAs
+    # Keep per-row partial sums [M', step rows, block_n] across steps and reduce the rows once
+    # (no cross-warp reduction per step) while they fit in this many f32 registers a thread;
+    # above it (more tokens), reduce every step into [M', block_n].
+    max_acc_registers: int = 32
+    evict_first: bool = False  # weights read once: ask the cache to drop them first
+
+    def __post_init__(self):
+        for name in ("block_n", "block_words", "max_splits"):
+            value = getattr(self, name)
+            if not _is_pow2(value):
+                raise ValueError(f"{name}={value} must be a power of two")
+        if self.dot and self.block_words < DOT_ROWS:
+            raise ValueError(f"block_words={self.block_words} must be >= {DOT_ROWS} with dot")
+        if self.num_splits is not None and not _is_pow2(self.num_splits):
+            raise ValueError(f"num_splits={self.num_splits} must be a power of two or None")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+    def reduce_every_step(self, rows: int, step_words: int) -> bool:
+        threads = 32 * self.num_warps
+        return not self.dot and rows * step_words * self.block_n > self.max_acc_registers * threads
+
+    def step_words(self, k: int, group_size: int) -> int:
+        """Word rows per step: a power of two that divides the group (a step never crosses
+        a group), at most ``block_words``."""
+        return min(self.block_words, _pow2_divisor(group_size // PER_WORD))
+
+    def splits(self, k: int, n: int, group_size: int) -> int:
+        steps = k // PER_WORD // self.step_words(k, group_size)
+        if self.num_splits is not None:
+            return self.num_splits
+        splits, col_blocks = 1, pl.cdiv(n, self.block_n)
+        while (splits * 2 <= self.max_splits and steps % (splits * 2) == 0
+               and col_blocks * splits < self.target_programs):
+            splits *= 2
+        return splits
+
+
+# Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes the
+# defaults. NOTE: empty until the H200 benchmark (benchmarks/int4_matmul.py --gemv-sweep)
+# prints the fastest config of each shape; its "gemv table" lines paste here.
+GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {}
+
+
+def gemv_config(m: int, k: int, n: int) -> Int4GemvConfig:
+    """The config :func:`int4_gemv` uses for ``m`` tokens over a [K, N] weight."""
+    return GEMV_TABLE.get((_next_pow2(m), k, n), Int4GemvConfig())
+
+
+def gemv_unsupported(m: int, k: int, n: int, group_size: int,
+                     config: Int4GemvConfig | None = None) -> str | None:
+    """Why the GEMV kernel cannot take this shape (None: it can)."""
+    config = config or Int4GemvConfig()
+    if m < 1:
+        return "no tokens"
+    if k % PER_WORD or group_size % PER_WORD or k % group_size:
+        return f"group_size={group_size} must be a multiple of {PER_WORD} dividing K={k}"
+    step = config.step_words(k, group_size)
+    if config.dot and step < DOT_ROWS:
+        return f"dot needs steps of >= {DOT_ROWS} word rows; group_size={group_size} gives {step}"
+    splits = config.splits(k, n, group_size)
+    if (k // PER_WORD) % (step * splits):
+        return f"K/8={k // PER_WORD} is not a multiple of {step} word rows x {splits} splits"
+    return None
+
+
+def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words: int,
+            group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype):
+    # x_ref [M', K/8, 8] (all of x); w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
+    # o_ref f32[M', block_n]
+    rows, block_n = o_ref.shape
+    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    tail = n % block_n != 0  # static: only a grid with a last partial block masks its loads
+
+    def load(ref, mask):
+        if not tail and not evict_first:
+            return ref[...]
+        return pltriton.load(ref, mask=mask if tail else None, other=0 if tail else None,
+                             eviction_policy="evict_first" if evict_first else None)
+
+    first_word = pl.program_id(1) * steps * step_words
+
+    def step(i, acc):
+        r0 = pl.multiple_of(i * step_words, step_words)  # word row within the split
+        words = load(w_ref.at[pl.ds(r0, step_words), :], (cols < n)[None, :])  # i32[rows_w, bn]
+        group = (first_word + r0) // group_words
+        scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
+        zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32)
+        high = jnp.right_shift(words, HIGH_SHIFT)  # sign bits dragged in are masked off below
+        part = None
+        for j in range(PER_WORD):
+            shift, pos = nibble_position(j)
+            bits = ((high if shift else words) & (0xF << pos)) | MAGIC
+            w = jax.lax.bitcast_convert_type(bits, jnp.float32) - (TWO_23 + zero * 2.0**pos)
+            xj = x_ref[:, pl.ds(first_word + r0, step_words), j]  # [M', rows_w]
+            xj = xj.astype(jnp.float32) * 2.0**-pos  # exact: a power of two
+            if dot:  # both operands exact in x's dtype (q - z has 5 bits)
+                term = jnp.dot(xj.astype(dtype), w.astype(dtype),
+                               preferred_element_type=jnp.float32)  # [M', bn]
+            else:
+                term = xj[:, :, None] * w[None, :, :]  # [M', rows_w, bn]
+            part = term if part is None else part + term
+        if reduce:
+            part = part.sum(axis=1)  # [M', bn]
+        scale = scale[None, :] if dot or reduce else scale[None, None, :]
+        return acc + scale * part
+
+    rows_kept = not (dot or reduce)
+    shape = (rows, step_words, block_n) if rows_kept else (rows, block_n)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    o_ref[...] = acc.sum(axis=1) if rows_kept else acc
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
+def int4_gemv(
+    x: jax.Array,  # [.., K]
+    qweight: jax.Array,  # i32[K/8, N]
+    scales: jax.Array,  # [G, N]
+    zeros: jax.Array,  # u8[G, N]
+    *,
+    group_size: int,
+    interpret: bool = False,
+    config: Int4GemvConfig | None = None,
+) -> jax.Array:  # [.., N] in x's dtype
+    """Same contract as :func:`int4_matmul_reference`; raises ValueError for a shape
+    :func:`gemv_unsupported` names."""
+    *lead, k = x.shape
+    words, n = qweight.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    config = config or gemv_config(m, k, n)
+    reason = gemv_unsupported(m, k, n, group_size, config)
+    if reason is not None or words * PER_WORD != k:
+        raise ValueError(reason or f"x has K={k}, qweight {words * PER_WORD} rows")
+    rows = max(DOT_ROWS, _next_pow2(m)) if config.dot else _next_pow2(m)  # loads: powers of 2
+    step_words = config.step_words(k, group_size)
+    splits = config.splits(k, n, group_size)
+    split_words = words // splits
+    col_blocks = pl.cdiv(n, config.block_n)
+    xp = jnp.pad(x2, ((0, rows - m), (0, 0))).reshape(rows, words, PER_WORD)  # [M', K/8, 8]
+    groups = scales.shape[0]
+    kernel = functools.partial(
+        _kernel, n=n, steps=split_words // step_words, step_words=step_words,
+        group_words=group_size // PER_WORD, dot=config.dot,
+        reduce=config.reduce_every_step(rows, step_words), evict_first=config.evict_first,
+        dtype=x.dtype)
+    partial = pl.pallas_call(
+        kernel,
+        grid=(col_blocks, splits),
+        in_specs=[
+            pl.BlockSpec((rows, words, PER_WORD), lambda c, s: (0, 0, 0)),
+            pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
+            pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+            pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        ],
+        out_specs=pl.BlockSpec((None, rows, config.block_n), lambda c, s: (s, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, col_blocks * config.block_n),
+                                       jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
+                                                num_stages=config.num_stages),
+        interpret=interpret,
+        name="int4_gemv",
+    )(xp, qweight, scales, zeros)
+    y = partial.sum(axis=0) if splits > 1 else partial[0]  # [M', N'] f32
+    return y[:m, :n].astype(x.dtype).reshape(*lead, n)
