@@ -55,6 +55,10 @@ class EngineConfig:
     # Shard the model over this many local devices (jaxllm.parallel): Megatron-style weights,
     # the KV pool split by KV head. 1: one device.
     tensor_parallel_size: int = 1
+    # Split the layers into this many pipeline stages, each over its own tensor_parallel_size
+    # devices (jaxllm.parallel.pipeline): devices used = tp x pp; the KV pool split by layer
+    # with the stages. The layers must divide evenly; needs the scanned layer stack.
+    pipeline_parallel_size: int = 1
     # Quantize (or read a quantized checkpoint's) weights: jaxllm.quantization. None: as the
     # checkpoint is.
     quantization: str | None = None
@@ -91,6 +95,12 @@ class EngineConfig:
              f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         need(self.tensor_parallel_size >= 1,
              f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        need(self.pipeline_parallel_size >= 1,
+             f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
+        need(self.pipeline_parallel_size == 1 or not self.unroll_layers,
+             f"pipeline_parallel_size={self.pipeline_parallel_size} needs the scanned layer "
+             "stack: unroll_layers must be False or None (--unroll-layers is not supported "
+             "with --pipeline-parallel-size > 1)")
         need(self.swap_space >= 0, f"swap_space={self.swap_space} must be >= 0 GiB")
         need(self.cpu_kv_cache_space > 0,
              f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 GiB")
@@ -136,8 +146,12 @@ def resolve_limits(config: EngineConfig, model_len: int, platform: str) -> Engin
                           max_num_seqs=max_num_seqs)
 
 
-def resolve_unroll_layers(setting: bool | None, platform: str) -> bool:
-    """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only."""
+def resolve_unroll_layers(setting: bool | None, platform: str,
+                          pipeline_parallel_size: int = 1) -> bool:
+    """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only (never
+    with pipeline stages, which scan their layers)."""
+    if setting is None and pipeline_parallel_size > 1:
+        return False
     return platform == "gpu" if setting is None else setting
 
 
