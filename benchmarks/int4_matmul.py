@@ -1,7 +1,7 @@
 """``python -m jaxllm.benchmarks.int4_matmul``: the 4-bit (AWQ / GPTQ) projection on this
-device, against the bf16 matmul it replaces: XLA's dequantize-then-dot (``jaxllm.layers.linear``
-before the kernel) and the Pallas kernel (``pallas_kernels/quantized_matmul``) in several block
-configs, at Llama-3-8B's projection shapes.
+device against the bf16 matmul it replaces, at Llama-3-8B's and 70B's projection shapes: the
+tiled Pallas kernel (``int4_matmul``, jaxllm's path above 16 tokens), the GEMV kernel
+(``int4_gemv``, 1-16 tokens) and optionally XLA's dequantize-then-dot.
 
 Each timed program runs ``--copies`` projections, each with its own weight, so that nothing is
 hoisted and no weight is served from L2 (an 8 MB 4-bit weight fits in the H200's 50 MB). A
@@ -9,10 +9,15 @@ call's fixed cost (dispatch and the wait for the result: about 270 us on the H20
 than a whole decode projection) is taken out by timing the program at ``--copies`` and at half
 as many and dividing the difference by the extra copies; ``us_raw`` keeps the plain quotient.
 Printed per (shape, tokens, variant): median microseconds per projection, GB/s of weight bytes
-read (the roofline for decode), speed-up over bf16, and for the kernel its largest error
-against the reference on this device. One failing config is printed and skipped.
+read (words, scales and zeros; bf16: the kernel), that as a % of ``--peak-gbps`` (the H200's
+4.8 TB/s), the speed-up over bf16, and each kernel's largest error against the reference on
+this device relative to the reference's largest value ("BAD" above 2%). One failing variant is
+printed and skipped; the JSON is rewritten after every row, so a run cut short keeps its rows.
 
-    python -m jaxllm.benchmarks.int4_matmul --tokens 1,16,64,256 --output-json int4.json
+``--gemv-sweep`` adds GEMV block configs and ends with the fastest of each (tokens, shape) as
+lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py).
+
+    python -m jaxllm.benchmarks.int4_matmul --models 8b,70b --tokens 1,4,16 --output-json int4.json
 """
 
 from __future__ import annotations
@@ -24,139 +29,240 @@ import traceback
 
 import numpy as np
 
-# Llama-3-8B's projections (K, N) as jaxllm fuses them.
-SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
-          "down": (14336, 4096)}
-# (block_n, block_k, num_splits, num_warps, num_stages); None splits: the kernel's auto rule.
-KERNEL_CONFIGS = [(128, 128, None, 4, 3), (64, 128, None, 4, 3), (128, 256, None, 4, 3),
-                  (256, 128, None, 8, 3), (128, 128, None, 4, 4), (64, 256, None, 4, 4),
-                  (128, 128, 1, 4, 3), (32, 128, None, 4, 3)]
+# Projections (K, N) as jaxllm fuses them: qkv = q + k + v, gate_up = gate + up.
+SHAPES = {
+    "8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+           "down": (14336, 4096)},
+    "70b": {"qkv": (8192, 10240), "o": (8192, 8192), "gate_up": (8192, 57344),
+            "down": (28672, 8192)},
+    "tiny": {"x": (256, 192)},  # a CPU smoke run with --interpret (no figures)
+}
+BAD_REL_ERR = 2e-2  # bf16 outputs: a few ulps of the largest value; a wrong nibble is ~100%
+# (label, Int4GemvConfig kwargs) tried by --gemv-sweep besides the default; "dot" variants
+# only at 8 or more tokens.
+GEMV_SWEEP = [
+    ("n64", dict(block_n=64)),
+    ("n256 w8", dict(block_n=256, num_warps=8)),
+    ("k8", dict(block_words=8)),
+    ("target 256", dict(target_programs=256)),
+    ("target 1024", dict(target_programs=1024, max_splits=64)),
+    ("evict", dict(evict_first=True)),
+    ("stages 1", dict(num_stages=1)),
+    ("w2", dict(num_warps=2)),
+    ("acc 64", dict(max_acc_registers=64)),
+    ("dot", dict(dot=True)),
+]
 
 
 def _time(fn, args, iters: int) -> float:
+    import jax
+
     for _ in range(3):
-        jax_block(fn(*args))
+        jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
         t = time.perf_counter()
-        jax_block(fn(*args))
+        jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
     return float(np.median(times))
 
 
-def jax_block(out):
+def _weights(key, k: int, n: int, group: int, copies: int):
+    """Random packed words, scales around 2e-3 and zero points, made on the device."""
     import jax
-
-    return jax.block_until_ready(out)
-
-
-def _weights(rng, k: int, n: int, group: int, copies: int):
     import jax.numpy as jnp
 
-    groups = k // group
-    qw = [jnp.asarray(rng.integers(-2**31, 2**31, (k // 8, n), dtype=np.int64).astype(np.int32))
-          for _ in range(copies)]
-    scales = [jnp.asarray(rng.uniform(0.5, 1.5, (groups, n)) * 2e-3, jnp.bfloat16)
-              for _ in range(copies)]
-    zeros = [jnp.asarray(rng.integers(0, 16, (groups, n), dtype=np.uint8))
-             for _ in range(copies)]
-    return qw, scales, zeros
+    out = []
+    for one in jax.random.split(key, copies):
+        kw, ks, kz = jax.random.split(one, 3)
+        words = jax.lax.bitcast_convert_type(
+            jax.random.bits(kw, (k // 8, n), jnp.uint32), jnp.int32)
+        scales = (jax.random.uniform(ks, (k // group, n), minval=0.5, maxval=1.5)
+                  * 2e-3).astype(jnp.bfloat16)
+        zeros = jax.random.randint(kz, (k // group, n), 0, 16).astype(jnp.uint8)
+        out.append((words, scales, zeros))
+    return [list(a) for a in zip(*out, strict=True)]
+
+
+def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
+    """name -> ("bf16" | "xla" | "matmul" | "gemv", config or None)."""
+    from jaxllm.pallas_kernels.quantized_matmul import (
+        Int4GemvConfig,
+        gemv_config,
+        gemv_unsupported,
+        unsupported,
+    )
+
+    variants = {"bf16": ("bf16", None)}
+    if args.with_xla:
+        variants["xla dequantize + dot"] = ("xla", None)
+    if unsupported(tokens, k, n, group) is None:
+        variants["matmul kernel"] = ("matmul", None)
+    if gemv_unsupported(tokens, k, n, group) is None:
+        variants["gemv"] = ("gemv", gemv_config(tokens, k, n))
+    if args.gemv_sweep:
+        for label, kwargs in GEMV_SWEEP:
+            if kwargs.get("dot") and tokens < 8:
+                continue
+            config = Int4GemvConfig(**kwargs)
+            if gemv_unsupported(tokens, k, n, group, config) is None:
+                variants[f"gemv {label}"] = ("gemv", config)
+    return variants
+
+
+def _program(kind: str, config, group: int, interpret: bool):
+    """A jitted function of (xs, weights...) running one projection per copy."""
+    import jax
+    from jaxllm.pallas_kernels.quantized_matmul import (
+        int4_gemv,
+        int4_matmul,
+        int4_matmul_reference,
+    )
+
+    if kind == "bf16":
+        return jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)]), None
+    impl = {"xla": int4_matmul_reference, "matmul": int4_matmul, "gemv": int4_gemv}[kind]
+    kwargs = {"config": config} if config is not None else {}
+    if kind != "xla" and interpret:
+        kwargs["interpret"] = True
+
+    def one(x, q, s, z):
+        return impl(x, q, s, z, group_size=group, **kwargs)
+
+    many = jax.jit(lambda xs, q, s, z: [one(*a) for a in zip(xs, q, s, z, strict=True)])
+    return many, jax.jit(one)
+
+
+def _config_repr(config) -> str:
+    """The config as code, naming only the fields that differ from the defaults."""
+    import dataclasses
+
+    default = type(config)()
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(default, f.name)}
+    return f"{type(config).__name__}({', '.join(f'{k}={v!r}' for k, v in changed.items())})"
+
+
+def _write(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
-    from jaxllm.pallas_kernels.quantized_matmul import (
-        Int4MatmulConfig,
-        int4_matmul,
-        int4_matmul_reference,
-    )
+    from jaxllm.benchmarks.provenance import source_commit
+    from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference
 
-    rng = np.random.default_rng(0)
-    rows, group, copies = [], args.group_size, args.copies
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    group, copies = args.group_size, args.copies
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    configs = KERNEL_CONFIGS[:args.max_configs]
-    print(f"{'shape':<8}{'tokens':>6}  {'variant':<34}{'us':>9}{'GB/s':>8}{'vs bf16':>9}"
-          f"{'max err':>10}")
-    for shape, (k, n) in shapes.items():
-        qw, scales, zeros = _weights(rng, k, n, group, copies)
-        w16 = [jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
-               for _ in range(copies)]
-        int4_bytes = k * n // 2 + (k // group) * n * 3  # words + bf16 scales + u8 zeros
-        for tokens in tokens_list:
-            xs = [jnp.asarray(rng.standard_normal((tokens, k), np.float32), jnp.bfloat16)
-                  for _ in range(copies)]
-            reference = jax.jit(lambda x, q, s, z: int4_matmul_reference(
-                x, q, s, z, group_size=group))
-            expected = reference(xs[0], qw[0], scales[0], zeros[0])
-            variants = {"bf16": (None, 2 * k * n)}
-            variants["xla dequantize + dot"] = (int4_matmul_reference, int4_bytes)
-            for bn, bk, splits, warps, stages in configs:
-                config = Int4MatmulConfig(block_n=bn, block_k=bk, num_splits=splits,
-                                          num_warps=warps, num_stages=stages)
-                name = f"pallas n{bn} k{bk} s{splits or 'auto'} w{warps} st{stages}"
-                variants[name] = (config, int4_bytes)
-            base = None
-            for name, (impl, weight_bytes) in variants.items():
-                row = {"shape": shape, "k": k, "n": n, "tokens": tokens, "variant": name}
-                try:
-                    if impl is None:
-                        fn = jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)])
-                        fargs = (xs, w16)
-                    else:
-                        if impl is int4_matmul_reference:
-                            one = lambda x, q, s, z: int4_matmul_reference(
-                                x, q, s, z, group_size=group)
-                        else:
-                            one = (lambda cfg: lambda x, q, s, z: int4_matmul(
-                                x, q, s, z, group_size=group, config=cfg))(impl)
-                            got = jax.jit(one)(xs[0], qw[0], scales[0], zeros[0])
-                            err = jnp.max(jnp.abs(got.astype(jnp.float32)
-                                                  - expected.astype(jnp.float32)))
-                            row["max_err"] = float(err)
-                            row["max_ref"] = float(jnp.max(jnp.abs(expected.astype(
-                                jnp.float32))))
-                        fn = jax.jit(lambda xs, q, s, z, one=one: [
-                            one(*a) for a in zip(xs, q, s, z, strict=True)])
-                        fargs = (xs, qw, scales, zeros)
-                    full = _time(fn, fargs, args.iters)
-                    half = _time(fn, [a[:copies // 2] for a in fargs], args.iters)
-                    us = 1e6 * (full - half) / (copies - copies // 2)
-                    row["us_raw"] = 1e6 * full / copies
-                except Exception as e:  # one config failing must not end the sweep
-                    row["error"] = f"{type(e).__name__}: {e}"[:500]
-                    print(f"{shape:<8}{tokens:>6}  {name:<34} FAILED {row['error'][:200]}")
-                    if args.verbose:
-                        traceback.print_exc()
-                    rows.append(row)
-                    continue
-                base = us if name == "bf16" else base
-                row.update(us=us, gb_per_s=weight_bytes / (us * 1e-6) / 1e9,
-                           speedup_vs_bf16=(base / us) if base else None)
-                rows.append(row)
-                err = f"{row['max_err']:>10.2e}" if "max_err" in row else ""
-                speed = f"{row['speedup_vs_bf16']:>8.2f}x" if base else f"{'-':>9}"
-                print(f"{shape:<8}{tokens:>6}  {name:<34}{us:>9.1f}{row['gb_per_s']:>8.0f}"
-                      f"{speed}{err}", flush=True)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "group_size": group, "copies": copies, "rows": rows}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+              "commit": source_commit(),
+              "group_size": group, "copies": copies, "peak_gbps": args.peak_gbps, "rows": []}
+    rows = result["rows"]
+    print(f"{'model':<6}{'shape':<8}{'tokens':>6}  {'variant':<22}{'us':>9}{'GB/s':>8}"
+          f"{'% peak':>8}{'vs bf16':>9}{'rel err':>10}", flush=True)
+    key = jax.random.key(0)
+    for model in args.models.split(","):
+        shapes = SHAPES[model]
+        for shape in (args.shapes.split(",") if args.shapes else shapes):
+            k, n = shapes[shape]
+            key, kw, kb, kx = jax.random.split(key, 4)
+            qw, scales, zeros = _weights(kw, k, n, group, copies)
+            w16 = [(jax.random.normal(kk, (k, n)) * 0.02).astype(jnp.bfloat16)
+                   for kk in jax.random.split(kb, copies)]
+            int4_bytes = k * n // 2 + (k // group) * n * 3  # words + bf16 scales + u8 zeros
+            for tokens in tokens_list:
+                xs = [jax.random.normal(kk, (tokens, k)).astype(jnp.bfloat16)
+                      for kk in jax.random.split(jax.random.fold_in(kx, tokens), copies)]
+                expected = jax.jit(lambda x, q, s, z: int4_matmul_reference(
+                    x, q, s, z, group_size=group))(xs[0], qw[0], scales[0], zeros[0])
+                expected = expected.astype(jnp.float32)
+                base = None
+                for name, (kind, config) in _variants(tokens, k, n, group, args).items():
+                    row = {"model": model, "shape": shape, "k": k, "n": n, "tokens": tokens,
+                           "variant": name, "kind": kind,
+                           "config": None if config is None else _config_repr(config)}
+                    weight_bytes = 2 * k * n if kind == "bf16" else int4_bytes
+                    try:
+                        many, one = _program(kind, config, group, args.interpret)
+                        if kind == "bf16":
+                            fargs = (xs, w16)
+                        else:
+                            fargs = (xs, qw, scales, zeros)
+                            got = one(xs[0], qw[0], scales[0], zeros[0]).astype(jnp.float32)
+                            row["max_err"] = float(jnp.max(jnp.abs(got - expected)))
+                            row["max_ref"] = float(jnp.max(jnp.abs(expected)))
+                            row["rel_err"] = row["max_err"] / max(row["max_ref"], 1e-30)
+                        full = _time(many, fargs, args.iters)
+                        half = _time(many, [a[:copies // 2] for a in fargs], args.iters)
+                        us = 1e6 * (full - half) / (copies - copies // 2)
+                        row["us_raw"] = 1e6 * full / copies
+                    except Exception as e:  # one variant failing must not end the sweep
+                        row["error"] = f"{type(e).__name__}: {e}"[:500]
+                        print(f"{model:<6}{shape:<8}{tokens:>6}  {name:<22} FAILED "
+                              f"{row['error'][:200]}", flush=True)
+                        if args.verbose:
+                            traceback.print_exc()
+                        rows.append(row)
+                        _write(result, args.output_json)
+                        continue
+                    base = us if kind == "bf16" else base
+                    gbps = weight_bytes / (us * 1e-6) / 1e9
+                    row.update(us=us, weight_bytes=weight_bytes, gb_per_s=gbps,
+                               pct_peak=100 * gbps / args.peak_gbps,
+                               speedup_vs_bf16=(base / us) if base else None)
+                    rows.append(row)
+                    _write(result, args.output_json)
+                    err = ""
+                    if "rel_err" in row:
+                        bad = " BAD" if row["rel_err"] > BAD_REL_ERR else ""
+                        err = f"{row['rel_err']:>10.1e}{bad}"
+                    speed = f"{row['speedup_vs_bf16']:>8.2f}x" if base else f"{'-':>9}"
+                    print(f"{model:<6}{shape:<8}{tokens:>6}  {name:<22}{us:>9.1f}{gbps:>8.0f}"
+                          f"{row['pct_peak']:>7.1f}%{speed}{err}", flush=True)
+    _print_table(rows)
+    _write(result, args.output_json)
     return result
+
+
+def _print_table(rows: list[dict]) -> None:
+    """The fastest correct GEMV config per (tokens, K, N), as GEMV_TABLE entries."""
+    best: dict[tuple[int, int, int], dict] = {}
+    for r in rows:
+        if (r["kind"] != "gemv" or r.get("us", 0) <= 0
+                or r.get("rel_err", 1) > BAD_REL_ERR):
+            continue
+        rows_pow2 = 1 << max(0, r["tokens"] - 1).bit_length()
+        key = (rows_pow2, r["k"], r["n"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    if best:
+        print("gemv table (fastest correct config; paste into GEMV_TABLE):")
+    for key, r in sorted(best.items()):
+        print(f"    {key}: {r['config']},  # {r['us']:.1f} us, {r['pct_peak']:.0f}% of peak")
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="1,16,64,256")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ", ".join(SHAPES))
+    parser.add_argument("--models", default="8b", help="of " + ", ".join(SHAPES))
+    parser.add_argument("--shapes", default=None,
+                        help="of qkv, o, gate_up, down (default: all)")
+    parser.add_argument("--tokens", default="1,4,16")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--copies", type=int, default=16,
                         help="projections (each its own weight) per timed program")
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--max-configs", type=int, default=len(KERNEL_CONFIGS))
-    parser.add_argument("--verbose", action="store_true", help="tracebacks of failed configs")
+    parser.add_argument("--peak-gbps", type=float, default=4800.0,
+                        help="the device's memory bandwidth (H200: 4.8 TB/s)")
+    parser.add_argument("--with-xla", action="store_true",
+                        help="also XLA's dequantize-then-dot (the path without kernels)")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="also the GEMV block configs of GEMV_SWEEP")
+    parser.add_argument("--interpret", action="store_true",
+                        help="kernels in interpret mode (a CPU smoke run: --models tiny)")
+    parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")
     parser.add_argument("--output-json", default=None)
     run(parser.parse_args(argv))
 
