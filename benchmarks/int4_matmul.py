@@ -38,8 +38,8 @@ SHAPES = {
     "tiny": {"x": (256, 192)},  # a CPU smoke run with --interpret (no figures)
 }
 BAD_REL_ERR = 2e-2  # bf16 outputs: a few ulps of the largest value; a wrong nibble is ~100%
-# (label, Int4GemvConfig kwargs) tried by --gemv-sweep besides the default; "dot" variants
-# only at 8 or more tokens.
+# (label, Int4GemvConfig kwargs) tried by --gemv-sweep besides the default (gemv_config: FMAs
+# below 4 tokens, the dot from 4); "dot" variants only from 4 tokens.
 GEMV_SWEEP = [
     ("n64", dict(block_n=64)),
     ("n256 w8", dict(block_n=256, num_warps=8)),
@@ -51,6 +51,8 @@ GEMV_SWEEP = [
     ("w2", dict(num_warps=2)),
     ("acc 64", dict(max_acc_registers=64)),
     ("dot", dict(dot=True)),
+    ("dot n64", dict(dot=True, block_n=64)),
+    ("dot n256 w8", dict(dot=True, block_n=256, num_warps=8)),
 ]
 
 
@@ -99,10 +101,10 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
     if unsupported(tokens, k, n, group) is None:
         variants["matmul kernel"] = ("matmul", None)
     if gemv_unsupported(tokens, k, n, group) is None:
-        variants["gemv"] = ("gemv", gemv_config(tokens, k, n))
+        variants["gemv"] = ("gemv", gemv_config(tokens, k, n, group))
     if args.gemv_sweep:
         for label, kwargs in GEMV_SWEEP:
-            if kwargs.get("dot") and tokens < 8:
+            if kwargs.get("dot") and tokens < 4:
                 continue
             config = Int4GemvConfig(**kwargs)
             if gemv_unsupported(tokens, k, n, group, config) is None:

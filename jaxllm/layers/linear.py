@@ -140,10 +140,10 @@ class Int4Weight:
 # Token counts up to this run the 4-bit kernel on a GPU; more go through XLA's dequantize and
 # cuBLAS, where the weight is read once for many tokens and the kernel's small tiles lose.
 INT4_KERNEL_MAX_TOKENS = 64
-# Token counts up to this run the GEMV kernel instead (FMAs, no dot padded to 16 rows). NOTE:
-# 16 is where its FMAs (one per weight per token) stop being cheap beside the weight read, by
-# count (H200: ~33 T FP32 instructions/s against ~9.6 T weights/s at 4.8 TB/s), not yet by a
-# measurement: benchmarks/int4_matmul.py prints both kernels at 1, 4 and 16 tokens.
+# Token counts up to this run the GEMV kernel instead (each packed word read once, split-K;
+# FMAs below 4 tokens, a dot over rows padded to 16 from 4). NOTE: 16 because it is the dot's
+# row tile (more tokens, more tiles: the tiled kernel's job), not a measurement:
+# benchmarks/int4_matmul.py prints both kernels at 1, 4 and 16 tokens.
 INT4_GEMV_MAX_TOKENS = 16
 INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 

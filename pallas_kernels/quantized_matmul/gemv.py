@@ -24,9 +24,9 @@ with more tokens that accumulator would not fit in registers, so each step reduc
                     fusion, deterministic) and casts
 
 Split-K gives the H200's 132 SMs enough programs at N = 4096 (32 column blocks of 128).
-``dot=True`` swaps the FMAs for a tensor-core dot over rows padded to 16 (the same unpack),
-for the benchmark to compare at 8-16 tokens. :func:`int4_gemv` has the signature of
-:func:`~.reference.int4_matmul_reference`.
+``dot=True`` swaps the FMAs for a tensor-core dot over rows padded to 16 (the same unpack):
+the FMAs grow with the tokens, so :func:`gemv_config` takes the dot from 4 tokens.
+:func:`int4_gemv` has the signature of :func:`~.reference.int4_matmul_reference`.
 """
 
 from __future__ import annotations
@@ -117,21 +117,31 @@ class Int4GemvConfig:
         return splits
 
 
-# Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes the
-# defaults. NOTE: empty until the H200 benchmark (benchmarks/int4_matmul.py --gemv-sweep)
-# prints the fastest config of each shape; its "gemv table" lines paste here.
+# Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes
+# gemv_config's rule. NOTE: empty until the H200 benchmark (benchmarks/int4_matmul.py
+# --gemv-sweep) prints the fastest config of each shape; its "gemv table" lines paste here.
 GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {}
+# From 4 tokens the dot variant: counted in the SASS of the kernel compiled for sm_90 (Triton
+# 3.6, K = N = 4096, group 128; not a timing), a step's instructions per weight are ~6 (FMAs)
+# against ~7 (dot) at 1 token, ~9 against ~7 at 2, ~15 against ~7 at 4 (16 word rows a step
+# would spill; 8 taken), ~28 at 8 and ~70 at 16 (FMAs, fewer rows a step) against ~7: the
+# FMAs grow with the tokens, the dot's padded rows cost nothing extra.
+DOT_FROM_TOKENS = 4
 
 
-def gemv_config(m: int, k: int, n: int) -> Int4GemvConfig:
+def gemv_config(m: int, k: int, n: int, group_size: int) -> Int4GemvConfig:
     """The config :func:`int4_gemv` uses for ``m`` tokens over a [K, N] weight."""
-    return GEMV_TABLE.get((_next_pow2(m), k, n), Int4GemvConfig())
+    rows = _next_pow2(m)
+    if (rows, k, n) in GEMV_TABLE:
+        return GEMV_TABLE[rows, k, n]
+    dot = rows >= DOT_FROM_TOKENS and _pow2_divisor(group_size // PER_WORD) >= DOT_ROWS
+    return Int4GemvConfig(dot=dot, block_words=16 if dot or rows <= 2 else 32 // rows)
 
 
 def gemv_unsupported(m: int, k: int, n: int, group_size: int,
                      config: Int4GemvConfig | None = None) -> str | None:
     """Why the GEMV kernel cannot take this shape (None: it can)."""
-    config = config or Int4GemvConfig()
+    config = config or gemv_config(m, k, n, group_size)
     if m < 1:
         return "no tokens"
     if k % PER_WORD or group_size % PER_WORD or k % group_size:
@@ -168,28 +178,38 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words
         scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
         zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32)
         high = jnp.right_shift(words, HIGH_SHIFT)  # sign bits dragged in are masked off below
-        part = None
+        row = first_word + r0
+        # FMAs: one [rows_w, bn] partial per token, each in the words' own register layout (a
+        # [M', rows_w, bn] product would make Triton move every unpacked tile through shared
+        # memory to a 3-D layout); dot: one [M', bn] partial.
+        parts = [None] * (1 if dot else rows)
         for j in range(PER_WORD):
             shift, pos = nibble_position(j)
             bits = ((high if shift else words) & (0xF << pos)) | MAGIC
             w = jax.lax.bitcast_convert_type(bits, jnp.float32) - (TWO_23 + zero * 2.0**pos)
-            xj = x_ref[:, pl.ds(first_word + r0, step_words), j]  # [M', rows_w]
-            xj = xj.astype(jnp.float32) * 2.0**-pos  # exact: a power of two
             if dot:  # both operands exact in x's dtype (q - z has 5 bits)
-                term = jnp.dot(xj.astype(dtype), w.astype(dtype),
-                               preferred_element_type=jnp.float32)  # [M', bn]
-            else:
-                term = xj[:, :, None] * w[None, :, :]  # [M', rows_w, bn]
-            part = term if part is None else part + term
-        if reduce:
-            part = part.sum(axis=1)  # [M', bn]
-        scale = scale[None, :] if dot or reduce else scale[None, None, :]
-        return acc + scale * part
+                xj = x_ref[:, pl.ds(row, step_words), j].astype(jnp.float32) * 2.0**-pos
+                terms = [jnp.dot(xj.astype(dtype), w.astype(dtype),
+                                 preferred_element_type=jnp.float32)]  # [M', bn]
+            else:  # x * 2^-pos: exact, a power of two
+                terms = [(x_ref[m, pl.ds(row, step_words), j].astype(jnp.float32)
+                          * 2.0**-pos)[:, None] * w for m in range(rows)]  # [rows_w, bn] each
+            parts = [t if p is None else p + t for p, t in zip(parts, terms, strict=True)]
+        if dot or reduce:
+            parts = [p if dot else p.sum(axis=0) for p in parts]  # [M', bn] or [bn] each
+            return tuple(a + scale * p for a, p in zip(acc, parts, strict=True))
+        return tuple(a + scale[None, :] * p for a, p in zip(acc, parts, strict=True))
 
-    rows_kept = not (dot or reduce)
-    shape = (rows, step_words, block_n) if rows_kept else (rows, block_n)
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
-    o_ref[...] = acc.sum(axis=1) if rows_kept else acc
+    if dot:
+        shapes = [(rows, block_n)]
+    else:
+        shapes = [(block_n,) if reduce else (step_words, block_n)] * rows
+    acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(s, jnp.float32) for s in shapes))
+    if dot:
+        o_ref[...] = acc[0]
+    else:
+        for m in range(rows):
+            o_ref[m, :] = acc[m] if reduce else acc[m].sum(axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
@@ -209,7 +229,7 @@ def int4_gemv(
     words, n = qweight.shape
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    config = config or gemv_config(m, k, n)
+    config = config or gemv_config(m, k, n, group_size)
     reason = gemv_unsupported(m, k, n, group_size, config)
     if reason is not None or words * PER_WORD != k:
         raise ValueError(reason or f"x has K={k}, qweight {words * PER_WORD} rows")
