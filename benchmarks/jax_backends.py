@@ -49,6 +49,7 @@ def make_engine(model, args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
         unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
     engine = LLMEngine(config, model=model, progress=not args.no_progress)

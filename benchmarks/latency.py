@@ -55,6 +55,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many devices (the roofline is then "
                         "per device: its share of the weights and of the KV cache)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the layers into this many stages (tp x pp devices; the "
+                        "roofline is then one device's share of weights and KV cache, as if "
+                        "the stages never waited on each other)")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["int8", "fp8", "awq", "gptq"],
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
@@ -174,13 +178,14 @@ def run(args: argparse.Namespace) -> dict:
 
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
+    from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
-    tp = args.tensor_parallel_size
-    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend(), pp)
     # Loaded in the layout the engine would run (no second copy made to re-lay it out).
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
-                              quantization=args.quantization)
+                              quantization=args.quantization, pipeline_parallel_size=pp)
     cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
     leaves = jax.tree.leaves(model.params)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
@@ -211,14 +216,19 @@ def run(args: argparse.Namespace) -> dict:
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
             pool_blocks=args.pool_blocks)
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
-                           matmul_params / tp, args.peak_tflops, tp)
+                           matmul_params / (tp * pp), args.peak_tflops, tp * pp)
         rows.append({"batch_size": b, "context_len": args.context_len,
                      "step_ms": 1e3 * measured, "launch_ms": 1e3 * launch,
                      "temp_bytes": temp_bytes,
                      "roofline_ms": 1e3 * bound,
                      "pct_of_roofline": 100 * bound / measured,
-                     "output_tokens_per_s": b / measured})
-    print(f"layers {'unrolled' if unroll else 'scanned'}")
+                     "output_tokens_per_s": b / measured,
+                     # Pipeline stages: the step's micro-batches and the idle share of them.
+                     "micro_batches": num_micro_batches(b, pp) if pp > 1 else 1,
+                     "bubble_fraction": bubble_fraction(num_micro_batches(b, pp), pp)
+                     if pp > 1 else 0.0})
+    print(f"layers {'unrolled' if unroll else 'scanned'}"
+          + (f", {pp} pipeline stages" if pp > 1 else ""))
     print(f"{'batch':>6}{'step ms':>10}{'launch ms':>11}{'roofline ms':>13}{'% roofline':>12}"
           f"{'tok/s':>11}")
     for r in rows:
@@ -229,7 +239,7 @@ def run(args: argparse.Namespace) -> dict:
               "commit": source_commit(),
               "model": model.name, "dtype": model.dtype.name,
               "device": jax.devices()[0].device_kind, "weight_bytes": int(weight_bytes),
-              "tensor_parallel_size": tp,
+              "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
               "bandwidth_gbps": bandwidth, "bandwidth_source": how,
               "peak_tflops": args.peak_tflops, "unroll_layers": unroll, "rows": rows,
               "args": {k: v for k, v in vars(args).items() if k not in ("handler", "argv")}}

@@ -112,6 +112,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "index its vocabulary")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="jaxllm and jax-static: shard the model over this many devices")
+    e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="jaxllm and jax-static: split the layers into this many stages, each "
+                   "over its own --tensor-parallel-size devices")
     e.add_argument("--jax-static-batch-size", type=_batch_size, default=None,
                    help="jax-static's static batch (default: --max-num-seqs, else 256); its "
                    "contiguous cache holds batch x (longest prompt + longest output) tokens, "
@@ -234,12 +237,14 @@ def load_jax_model(args):
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
 
+    pp = getattr(args, "pipeline_parallel_size", 1)  # step_profile has no such flag
     # jaxllm's engine and jax-static's generate() both run the layer layout loaded here
     # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
     model = jaxllm.load_model(
         args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
+        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend(), pp),
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        pipeline_parallel_size=pp,
         tokenizer=args.tokenizer)
     return model
 

@@ -13,6 +13,7 @@
 Under tensor parallelism (a ``mesh`` with a ``tp`` axis) the K/V write and the attention run
 per shard in ``jax.shard_map``: each device sees its own query and KV heads and its heads'
 part of the pool, so the kernels and the reference are unchanged and nothing is communicated.
+Inside a pipeline stage the same ``shard_map`` nests in the stage loop's, over ``tp`` alone.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_mixed,
     paged_attention_reference,
 )
-from jaxllm.parallel import TP_AXIS, tensor_parallel_size
+from jaxllm.parallel import PP_AXIS, TP_AXIS, tensor_parallel_size
 from jaxllm.parallel.sharding import KV_HEAD_AXIS
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
@@ -108,9 +109,14 @@ def write_kv_and_attend(
     heads = PartitionSpec(None, TP_AXIS, None)
     pool_spec = PartitionSpec(*([None] * KV_HEAD_AXIS), TP_AXIS, None)
     pool_specs = KVPool(k=pool_spec, v=pool_spec)
+    manual = {}
+    context = jax.sharding.get_abstract_mesh()
+    if PP_AXIS in getattr(context, "manual_axes", ()):
+        # Inside a pipeline stage (jaxllm.parallel.pipeline): ``pp`` is manual already.
+        manual = dict(mesh=context, axis_names={TP_AXIS})
     return jax.shard_map(
-        local, mesh=mesh, in_specs=(heads, heads, heads, pool_specs, PartitionSpec(),
-                                    PartitionSpec()),
+        local, **({"mesh": mesh} | manual),
+        in_specs=(heads, heads, heads, pool_specs, PartitionSpec(), PartitionSpec()),
         out_specs=(heads, pool_specs), check_vma=False)(q, k, v, kv_pool, layer, batch)
 
 

@@ -26,6 +26,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the layers into this many stages, each over its own "
+                             "--tensor-parallel-size devices")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["int8", "fp8", "awq", "gptq"],
                         help="int8 weight-only or fp8 W8A8: quantized at load time; awq, gptq: "
@@ -69,6 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                       pipeline_parallel_size=args.pipeline_parallel_size,
                        quantization=args.quantization)
     tokenizer = model.tokenizer
     if tokenizer is None:

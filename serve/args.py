@@ -2,7 +2,7 @@
 :class:`~jaxllm.engine.engine_config.EngineConfig` (engine) and :class:`ServerConfig` (HTTP
 front end).
 
-Values jaxllm cannot honour yet (``--pipeline-parallel-size 2``, ``--quantization awq`` ...)
+Values jaxllm cannot honour yet (``--quantization bitsandbytes`` ...)
 fail here, before anything is loaded, with a message that says what is supported.
 """
 
@@ -210,7 +210,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="shard the model over this many local devices (attention heads, "
                         "MLP and vocabulary split; the KV cache split by KV head)")
-    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    engine.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the layers into this many stages, each over its own "
+                        "tensor-parallel-size devices (tp x pp devices in all; the KV cache "
+                        "split by layer with the stages; the layers must divide evenly)")
     engine.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="engine-core processes, each a replica of the model over its own "
                         "tensor-parallel-size devices; requests go to the least loaded one, or "
@@ -225,9 +228,6 @@ def configs_from_args(args: argparse.Namespace,
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
     model = args.model_tag or args.model
-    if args.pipeline_parallel_size != 1:
-        raise ValueError(f"--pipeline-parallel-size={args.pipeline_parallel_size} is not "
-                         "supported yet: jaxllm serves a model on one device (use 1)")
     quantization = args.quantization
     if quantization == "gguf":
         is_gguf = model is None or model.endswith(".gguf") or args.load_format == "gguf"
@@ -248,6 +248,7 @@ def configs_from_args(args: argparse.Namespace,
         cpu_kv_cache_space=args.cpu_kv_cache_space,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enforce_eager=args.enforce_eager,
         unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
@@ -275,11 +276,13 @@ def configs_from_args(args: argparse.Namespace,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
     gpus = visible_gpus(environ)  # known before loading on CUDA only (None elsewhere)
-    needed = server.data_parallel_size * engine.tensor_parallel_size
+    needed = (server.data_parallel_size * engine.tensor_parallel_size
+              * engine.pipeline_parallel_size)
     if gpus is not None and needed > len(gpus):
         raise ValueError(f"--data-parallel-size={server.data_parallel_size} x "
-                         f"--tensor-parallel-size={engine.tensor_parallel_size} needs {needed} "
-                         f"GPUs but {len(gpus)} are visible")
+                         f"--tensor-parallel-size={engine.tensor_parallel_size} x "
+                         f"--pipeline-parallel-size={engine.pipeline_parallel_size} needs "
+                         f"{needed} GPUs but {len(gpus)} are visible")
     return engine, server
 
 

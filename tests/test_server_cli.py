@@ -44,6 +44,7 @@ def test_vllm_flags_map_onto_the_engine_config():
     assert [configs(*flag)[0].unroll_layers for flag in
             ([], ["--unroll-layers"], ["--no-unroll-layers"])] == [None, True, False]
     assert configs("-tp", "2")[0].tensor_parallel_size == 2
+    assert configs("-pp", "2", "-tp", "2")[0].pipeline_parallel_size == 2
     assert configs("--tokenizer", "/t/tokenizer.json")[0].tokenizer == "/t/tokenizer.json"
     assert defaults.tokenizer is None
     assert configs("-q", "int8")[0].quantization == "int8"
@@ -71,7 +72,8 @@ def test_api_key_and_memory_monitor_come_from_the_environment():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "0"], "tensor_parallel_size=0 must be >= 1"),
-    (["-pp", "2"], "--pipeline-parallel-size=2 is not supported yet"),
+    (["-pp", "0"], "pipeline_parallel_size=0 must be >= 1"),
+    (["-pp", "2", "--unroll-layers"], "needs the scanned layer stack"),
     (["--quantization", "bitsandbytes"], "--quantization=bitsandbytes is not supported"),
     (["/models/llama", "-q", "gguf"], "--quantization=gguf is not supported"),
     (["a", "--model", "b"], "two models given"),

@@ -158,7 +158,7 @@ def launch_engine_cores(config: EngineConfig, num_frontends: int = 1,
     (:mod:`jaxllm.engine.replica_devices`), started together and each waited for as
     :func:`launch_engine_core` does; when one fails, the others are stopped and its error
     raised."""
-    tp = config.tensor_parallel_size
+    tp = config.tensor_parallel_size * config.pipeline_parallel_size  # devices a replica uses
     try:
         envs = [replica_device_env(replica, tp, os.environ)
                 for replica in range(data_parallel_size)]

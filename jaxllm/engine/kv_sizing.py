@@ -68,8 +68,9 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     useful = 1 + max_num_seqs * -(-max_model_len // block_size)  # more never gets used
     num_cpu = min(int(swap_space * GiB) // per_block, useful)  # the host holds whole blocks
     # Tensor parallel: each device holds its KV heads' share of every block, and its own
-    # weights' share; the first device stands for all (their shares are equal).
-    tp = model.tensor_parallel_size
+    # weights' share; pipeline parallel: its stage's layers' share. The first device stands
+    # for all (their shares are equal).
+    tp = model.tensor_parallel_size * model.pipeline_parallel_size
     device_block = per_block // tp
     device = model.mesh.devices.flat[0] if model.mesh is not None else jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None

@@ -78,23 +78,27 @@ class LLMEngine:
                 os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
         if config.compilation_cache_dir and not config.enforce_eager:
             use_compilation_cache(config.compilation_cache_dir)
-        config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
-                                                                    jax.default_backend()))
+        config = config.replace(unroll_layers=resolve_unroll_layers(
+            config.unroll_layers, jax.default_backend(), config.pipeline_parallel_size))
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,
                                    load_format=config.load_format, seed=config.seed,
                                    unroll_layers=config.unroll_layers,
                                    tensor_parallel_size=config.tensor_parallel_size,
+                                   pipeline_parallel_size=config.pipeline_parallel_size,
                                    quantization=config.quantization,
                                    tokenizer=config.tokenizer)
-            elif model.mesh is not None and config.tensor_parallel_size == 1:
-                # An already sharded model brings its own size.
-                config = config.replace(tensor_parallel_size=model.tensor_parallel_size)
+            elif model.mesh is not None and config.tensor_parallel_size == 1 \
+                    and config.pipeline_parallel_size == 1:
+                # An already sharded model brings its own sizes.
+                config = config.replace(tensor_parallel_size=model.tensor_parallel_size,
+                                        pipeline_parallel_size=model.pipeline_parallel_size)
             # A caller's model keeps its own layout: the engine works on a re-laid-out (and,
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
-                config.tensor_parallel_size).with_layer_layout(config.unroll_layers)
+                config.tensor_parallel_size, config.pipeline_parallel_size,
+            ).with_layer_layout(config.unroll_layers)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

@@ -28,9 +28,11 @@ from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, stack_layer_params, unstack_layer_params
 from jaxllm.parallel import (
     check_device_count,
+    check_pipeline_parallel,
     check_tensor_parallel,
     make_mesh,
     param_shardings,
+    pipeline_parallel_size,
     tensor_parallel_config,
     tensor_parallel_size,
 )
@@ -65,6 +67,10 @@ class LoadedModel:
         return tensor_parallel_size(self.mesh)
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        return pipeline_parallel_size(self.mesh)
+
+    @property
     def unroll_layers(self) -> bool:
         """Whether the params are laid out for the unrolled layer stack (see
         :mod:`jaxllm.kv_pool`): one tree per layer instead of stacked leaves."""
@@ -96,21 +102,27 @@ class LoadedModel:
             lambda path, leaf: quantize_leaf(path, leaf, config), self.params)
         return dataclasses.replace(self, params=params, quantization=config)
 
-    def with_tensor_parallel(self, size: int) -> LoadedModel:
-        """This (unsharded) model sharded over a mesh of the first ``size`` local devices, as
-        ``load_model(..., tensor_parallel_size=size)`` would load it: for a model already in
-        memory (research code, tests). Raises ValueError for a size the model cannot take."""
-        if size == self.tensor_parallel_size:
+    def with_tensor_parallel(self, size: int, pipeline_parallel_size: int = 1) -> LoadedModel:
+        """This (unsharded) model sharded over a mesh of the first ``size`` x
+        ``pipeline_parallel_size`` local devices, as ``load_model(..., tensor_parallel_size=size,
+        pipeline_parallel_size=...)`` would load it: for a model already in memory (research
+        code, tests). Pipeline stages stack per-layer params first. Raises ValueError for a
+        size the model cannot take."""
+        pp = pipeline_parallel_size
+        if size == self.tensor_parallel_size and pp == self.pipeline_parallel_size:
             return self
         if self.mesh is not None:
             raise ValueError(f"this model is already sharded over {self.tensor_parallel_size} "
-                             "devices; load it again for another tensor-parallel size")
-        check_device_count(size)
+                             f"x {self.pipeline_parallel_size} devices (tensor x pipeline "
+                             "parallel); load it again for other sizes")
+        check_device_count(size, pipeline_parallel_size=pp)
         check_tensor_parallel(self.config, size)
+        check_pipeline_parallel(self.config, pp)
         if self.quantization is not None and self.quantization.method in INT4_METHODS:
             check_int4_layout(self.config, self.quantization, size)
-        config, mesh = tensor_parallel_config(self.config, size), make_mesh(size)
-        params = replicate_kv_heads(self.params, self.config, config)
+        config, mesh = tensor_parallel_config(self.config, size), make_mesh(size, None, pp)
+        stacked = self.with_layer_layout(False).params if pp > 1 else self.params
+        params = replicate_kv_heads(stacked, self.config, config)
         params = jax.device_put(params, param_shardings(params, mesh, config))
         return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
@@ -147,7 +159,7 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
                load_format: str = "auto", config: ModelConfig | None = None,
                seed: int = 0, unroll_layers: bool = False,
                tensor_parallel_size: int = 1, quantization: str | None = None,
-               tokenizer: str | None = None) -> LoadedModel:
+               tokenizer: str | None = None, pipeline_parallel_size: int = 1) -> LoadedModel:
     """Loads ``model`` (a Hugging Face directory, a ``.gguf`` file, a ``jaxllm convert``
     checkpoint directory, or None for the default).
 
@@ -162,15 +174,21 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     checked before any weight is read and applied to each leaf as it is loaded.
     ``tokenizer`` (a HF directory, ``tokenizer.json`` or ``.gguf``) replaces the model's own
     (vLLM's ``--tokenizer``): e.g. one for dummy weights, which have none.
+    ``pipeline_parallel_size`` P > 1 splits the stacked layers into P stages
+    (:mod:`jaxllm.parallel.pipeline`) over a (P, N) mesh of the first P x N devices; it needs
+    ``unroll_layers=False`` and a layer count that P divides.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
-    if tensor_parallel_size != 1:  # the size alone, before anything is opened
-        check_device_count(tensor_parallel_size)
+    if tensor_parallel_size != 1 or pipeline_parallel_size != 1:  # before anything is opened
+        check_device_count(tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
+    if pipeline_parallel_size != 1 and unroll_layers:
+        raise ValueError(f"--pipeline-parallel-size {pipeline_parallel_size}: pipeline stages "
+                         "scan their layers; unroll_layers must be False")
     if tokenizer is not None and not os.path.exists(os.path.expanduser(tokenizer)):
         raise ModelLoadError(f"--tokenizer {tokenizer}: no such file or directory")
     loaded = _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
-                     quantization).load(model, config)
+                     quantization, pipeline_parallel_size).load(model, config)
     if tokenizer is None:
         return loaded
     from jaxllm.loading.tokenizer import load_tokenizer
@@ -187,6 +205,7 @@ class _Loader:
     unroll_layers: bool
     tensor_parallel_size: int
     quantization: str | None = None
+    pipeline_parallel_size: int = 1
 
     def quantizer(self, checkpoint_config: dict | None = None,
                   checkpoint: ModelConfig | None = None):
@@ -227,12 +246,13 @@ class _Loader:
 
     def placement(self, checkpoint: ModelConfig):
         """The config the model runs, its mesh and its param shardings (shapes ->
-        NamedShardings), after checking the tensor-parallel size against the model."""
-        size = self.tensor_parallel_size
-        if size == 1:
+        NamedShardings), after checking the parallel sizes against the model."""
+        size, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if size == 1 and pp == 1:
             return checkpoint, None, None
         check_tensor_parallel(checkpoint, size)
-        config, mesh = tensor_parallel_config(checkpoint, size), make_mesh(size)
+        check_pipeline_parallel(checkpoint, pp)
+        config, mesh = tensor_parallel_config(checkpoint, size), make_mesh(size, None, pp)
         return config, mesh, lambda shapes: param_shardings(shapes, mesh, config)
 
     def dummy(self, name: str, checkpoint: ModelConfig, tokenizer) -> LoadedModel:
@@ -314,13 +334,14 @@ class _Loader:
                                  self.quantization)
         if self.tensor_parallel_size != 1:
             check_tensor_parallel(checkpoint.config, self.tensor_parallel_size)
+        check_pipeline_parallel(checkpoint.config, self.pipeline_parallel_size)
         tokenizer = checkpoint.tokenizer()
         if self.load_format == "dummy":
             return self.dummy(name, checkpoint.config, tokenizer)
         model = LoadedModel(name, checkpoint.config, checkpoint.restore_params(), tokenizer,
                             checkpoint.dtype, None, checkpoint.quantization)
         return model.with_layer_layout(self.unroll_layers, donate=True).with_tensor_parallel(
-            self.tensor_parallel_size)
+            self.tensor_parallel_size, self.pipeline_parallel_size)
 
     def gguf(self, path: str, name: str) -> LoadedModel:
         from jaxllm.loading.gguf_file import GGUFCheckpoint

@@ -46,6 +46,8 @@ from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
+from jaxllm.parallel.mesh import pipeline_parallel_size
+from jaxllm.parallel.pipeline import pipelined_layers
 
 Dtype = Any
 
@@ -128,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     config: ModelConfig
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
-    mesh: Mesh | None = None  # tensor parallel: the params' and pool's mesh
+    mesh: Mesh | None = None  # tensor / pipeline parallel: the params' and pool's mesh
 
     @nn.compact
     def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata, return_hidden: bool = False):
@@ -146,7 +148,26 @@ class LlamaForCausalLM(nn.Module):
                 f"{'LayeredKVPool' if unrolled else 'KVPool'}, got a {type(kv_pool).__name__}: "
                 "make both with the same unroll_layers (jaxllm.kv_pool.new_kv_pool, "
                 "LoadedModel.with_layer_layout)")
-        if unrolled:
+        stages = pipeline_parallel_size(self.mesh)
+        if stages > 1 and not self.is_initializing():
+            if unrolled:
+                raise ValueError("pipeline parallelism needs the scanned layer stack "
+                                 "(unroll_layers=False)")
+            # Each stage scans its own L / pp layers over its part of the pool.
+            stage = nn.scan(
+                DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.num_hidden_layers // stages,
+            )(cfg, self.dtype, self.attention_backend, self.mesh, parent=None)
+
+            def stage_fn(params, hidden, pool, cos, sin, batch):
+                (hidden, pool, _), _ = stage.apply({"params": params},
+                                                   (hidden, pool, jnp.int32(0)), cos, sin, batch)
+                return hidden, pool
+
+            hidden, kv_pool = pipelined_layers(stage_fn, self.variables["params"]["layers"],
+                                               hidden, kv_pool, cos, sin, batch, self.mesh)
+        elif unrolled:
             # Each layer is layer 0 of its own one-layer pool, with its own params' tree.
             layers = self.variables["params"]["layers"]
             layer = DecoderLayer(cfg, self.dtype, self.attention_backend, self.mesh)

@@ -20,9 +20,11 @@ scales and zeros [G, N] on both axes as the kernel (a group never straddles two 
 :func:`jaxllm.quantization.int4_checkpoint.check_int4_layout`), except that one group over
 all rows (G = 1) is replicated along the input axis.
 
-Stacked layers add a leading layer axis, never split. The KV pool [L, blocks, block_size, Hkv,
-D] is split by KV head: every device holds its heads' pages of every block, so one block table
-serves all devices and the block manager never sees the mesh.
+Stacked layers add a leading layer axis, split over ``pp`` into pipeline stages (each stage's
+devices hold its consecutive layers; unsplit at pp = 1). The KV pool [L, blocks, block_size,
+Hkv, D] is split by layer with the stages and by KV head within a stage: every device holds its
+heads' pages of every block of its layers, so one block table serves all devices and the block
+manager never sees the mesh.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model_config import ModelConfig
-from jaxllm.parallel.mesh import TP_AXIS
+from jaxllm.parallel.mesh import PP_AXIS, TP_AXIS, pipeline_parallel_size
 
 # (module, leaf) -> spec of the leaf's trailing axes; absent: replicated.
 _PARAM_SPECS: dict[tuple[str, str], tuple[str | None, ...]] = {
@@ -74,6 +76,22 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         raise ValueError(
             f"{flag}: the model's intermediate size {config.intermediate_size} must be "
             "divisible by the tensor-parallel size")
+
+
+def check_pipeline_parallel(config: ModelConfig, size: int) -> None:
+    """Raises ValueError naming ``--pipeline-parallel-size`` when ``size`` cannot split
+    ``config``'s layers into equal stages. Equal stages, not vLLM's as-even-as-possible split:
+    the stage loop is one SPMD program over equal shards of the stacked layers."""
+    flag = f"--pipeline-parallel-size {size}"
+    if size < 1:
+        raise ValueError(f"{flag}: must be >= 1")
+    layers = config.num_hidden_layers
+    if layers % size:
+        fits = [n for n in range(1, layers + 1) if layers % n == 0]
+        raise ValueError(
+            f"{flag}: the model's {layers} layers must be divisible by the pipeline-parallel "
+            f"size (every stage runs the same number of layers); sizes that fit: "
+            f"{', '.join(map(str, fits[:8]))}{' ...' if len(fits) > 8 else ''}")
 
 
 def tensor_parallel_config(config: ModelConfig, size: int) -> ModelConfig:
@@ -119,19 +137,33 @@ def param_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool = True) ->
     return PartitionSpec(*([None] * (len(shape) - len(trailing))), *trailing)
 
 
+def _stage_split(path: tuple, spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with a stacked layer leaf's leading layer axis split over the stages."""
+    names = path_names(path)
+    if len(names) < 2 or names[0] != "layers" or names[1] is None:  # a per-layer tree: idx
+        return spec
+    return PartitionSpec(PP_AXIS, *tuple(spec)[1:])
+
+
 def param_shardings(params: Any, mesh: Mesh, config: ModelConfig) -> Any:
     """A NamedSharding for every leaf of ``params`` (arrays or ShapeDtypeStructs, stacked or
-    per-layer). A vocabulary the mesh cannot split evenly keeps the embedding and LM head
-    replicated."""
+    per-layer; pipeline stages need the stacked layout). A vocabulary the mesh cannot split
+    evenly keeps the embedding and LM head replicated."""
     vocab_split = config.vocab_size % mesh.shape[TP_AXIS] == 0
-    return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, param_spec(path, tuple(leaf.shape), vocab_split)),
-        params)
+    staged = pipeline_parallel_size(mesh) > 1
+
+    def sharding(path, leaf):
+        spec = param_spec(path, tuple(leaf.shape), vocab_split)
+        return NamedSharding(mesh, _stage_split(path, spec) if staged else spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, params)
 
 
 def kv_pool_shardings(pool: Any, mesh: Mesh) -> Any:
-    """The pool (either layout) split by KV head."""
-    spec = PartitionSpec(*([None] * KV_HEAD_AXIS), TP_AXIS, None)
+    """The pool (either layout) split by KV head, and the stacked pool by layer over the
+    pipeline stages."""
+    layer = PP_AXIS if pipeline_parallel_size(mesh) > 1 else None
+    spec = PartitionSpec(layer, *([None] * (KV_HEAD_AXIS - 1)), TP_AXIS, None)
     return jax.tree.map(lambda _: NamedSharding(mesh, spec), pool)
 
 
