@@ -42,7 +42,8 @@ def step(sched):
 
 
 def plan(out):
-    return [(s.seq.seq_id, s.start, s.num_new_tokens, s.block_table) for s in out.scheduled]
+    return [(s.seq.seq_id, s.start, s.num_new_tokens, out.block_table(i))
+            for i, s in enumerate(out.scheduled)]
 
 
 def test_chunked_prefill_mixes_with_decode_and_hands_out_exact_blocks():

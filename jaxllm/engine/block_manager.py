@@ -37,6 +37,7 @@ from jaxllm.engine.block_pool import (
     KVCacheBlock,
     hash_block_tokens,
 )
+from jaxllm.engine.block_table import BlockTables
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,6 +79,9 @@ class BlockManager:
         self.prefix_cache_queries = 0  # tokens looked up (vllm:prefix_cache_queries)
         self.prefix_cache_hits = 0  # of those, tokens found cached (vllm:prefix_cache_hits)
         self._seqs: dict[int, _SeqBlocks] = {}
+        # The same GPU tables as numpy rows, written where they change: a step's tables are
+        # one gather (block_tables) instead of a list per sequence rebuilt every step.
+        self.tables = BlockTables()
 
     # ---- accounting ------------------------------------------------------------------------------
 
@@ -103,6 +107,11 @@ class BlockManager:
         """A copy of the seq's GPU block ids ([] for an unknown or swapped-out seq)."""
         seq = self._seqs.get(seq_id)
         return [b.block_id for b in seq.table] if seq is not None else []
+
+    def block_tables(self, seq_ids: Sequence[int]):
+        """The seqs' GPU tables as (i32[C, W] block ids, null-padded to the longest; i32[C]
+        lengths): numpy copies."""
+        return self.tables.gather(seq_ids)
 
     def num_blocks(self, seq_id: int) -> int:
         """len(block_table(seq_id)), without building the copy."""
@@ -172,6 +181,15 @@ class BlockManager:
                 f"<= len(token_ids)={len(token_ids)}"
             )
         seq = self._seqs.get(seq_id)
+        # The common decode step: one token into the seq's own last block (no new block, no
+        # copy); what follows would come to the same with ~4x the host time.
+        if num_new_tokens == 1 and seq is not None and not cached_blocks:
+            table = seq.table
+            index = num_computed_tokens // bs
+            if index < len(table) and table[index].ref_cnt == 1 and seq.cpu_table is None:
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(seq, token_ids, num_tokens, num_cacheable_tokens)
+                return []
         if seq is not None and seq.cpu_table is not None:
             raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocate_slots")
         table = seq.table if seq is not None else []
@@ -215,19 +233,32 @@ class BlockManager:
             src.ref_cnt -= 1  # was > 1, so the other owners keep it alive: never freed here
             table[i] = dst
             copies.append((src.block_id, dst.block_id))
+        changed = min(cow_slots[0] if cow_slots else len(table), len(table) - len(hit_blocks))
         table.extend(self.gpu_pool.get_new_blocks(num_new_blocks))
+        if changed < len(table):
+            self.tables.write(seq_id, changed, [b.block_id for b in table[changed:]])
         if seq is None:
             seq = self._seqs[seq_id] = _SeqBlocks(table, hashes)
+            self.tables.row(seq_id)  # a row even while the table is empty
         seq.block_hashes = hashes  # a new list only when cached_blocks were attached
         if self.enable_prefix_caching:
-            cacheable = num_tokens if num_cacheable_tokens is None else min(
-                num_tokens, num_cacheable_tokens)
-            num_full = cacheable // bs
-            start = len(hashes)
-            self._extend_hash_chain(hashes, token_ids, num_full)
-            for i in range(start, num_full):
-                self.gpu_pool.cache_block(table[i], hashes[i])  # keeps an existing entry
+            self._cache_full_blocks(seq, token_ids, num_tokens, num_cacheable_tokens)
         return copies
+
+    def _cache_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int,
+                           num_cacheable_tokens: int | None) -> None:
+        """Registers the seq's blocks that are full once ``num_tokens`` are written (capped
+        at ``num_cacheable_tokens``) in the prefix cache."""
+        cacheable = num_tokens if num_cacheable_tokens is None else min(
+            num_tokens, num_cacheable_tokens)
+        num_full = cacheable // self.block_size
+        hashes = seq.block_hashes
+        start = len(hashes)
+        if num_full <= start:
+            return
+        self._extend_hash_chain(hashes, token_ids, num_full)
+        for i in range(start, num_full):
+            self.gpu_pool.cache_block(seq.table[i], hashes[i])  # keeps an existing entry
 
     def _extend_hash_chain(
         self, hashes: list[BlockHash], token_ids: Sequence[int], num_full_blocks: int
@@ -247,6 +278,7 @@ class BlockManager:
         for block in parent.table:
             block.ref_cnt += 1  # already > 0, so no block leaves the free queue
         self._seqs[child_seq_id] = _SeqBlocks(list(parent.table), list(parent.block_hashes))
+        self.tables.copy(parent_seq_id, child_seq_id)
 
     def free(self, seq_id: int) -> None:
         """Drop the seq's references (GPU or CPU). An unknown seq is a no-op.
@@ -257,6 +289,7 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        self.tables.remove(seq_id)
         if seq.cpu_table is not None:
             self.cpu_pool.free_blocks(reversed(seq.cpu_table))
         self.gpu_pool.free_blocks(reversed(seq.table))
@@ -293,6 +326,7 @@ class BlockManager:
             seq.cpu_table = [mapping[b] for b in seq.table]
             self.gpu_pool.free_blocks(reversed(seq.table))
             seq.table = []
+            self.tables.clear(seq_id)
         return [(g.block_id, c.block_id) for g, c in mapping.items()]
 
     def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
@@ -309,6 +343,7 @@ class BlockManager:
         for seq_id in seq_ids:
             seq = self._seqs[seq_id]
             seq.table = [mapping[c] for c in seq.cpu_table]
+            self.tables.write(seq_id, 0, [b.block_id for b in seq.table])
             self.cpu_pool.free_blocks(reversed(seq.cpu_table))
             seq.cpu_table = None
         return [(c.block_id, g.block_id) for c, g in mapping.items()]
@@ -365,6 +400,8 @@ class BlockManager:
                     i < len(seq.block_hashes) and seq.block_hashes[i] == block.block_hash
                 ), f"seq {seq_id} slot {i}: block {block.block_id} is cached for another prefix"
             gpu_owners.update(b.block_id for b in seq.table)
+            assert self.tables.table(seq_id) == [b.block_id for b in seq.table], (
+                f"seq {seq_id}: numpy block table out of date")
             for block in seq.cpu_table or ():
                 assert block is self.cpu_pool.blocks[block.block_id], f"seq {seq_id}: bad CPU block"
                 cpu_owners[block.block_id] += 1
@@ -372,3 +409,4 @@ class BlockManager:
         self.cpu_pool.check_invariants(cpu_owners, "cpu")
         assert not self.cpu_pool.cached_block_hash_to_block, "cpu: CPU blocks are never cached"
         assert self.prefix_cache_hits <= self.prefix_cache_queries
+        assert set(self.tables.rows) == set(self._seqs), "numpy block-table rows out of date"

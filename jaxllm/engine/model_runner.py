@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import BatchMetadata, SeqChunks, pack_batch
+from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.engine.step_inputs import pack_step
 from jaxllm.engine.step_programs import ProgramKey, step_programs
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
@@ -277,43 +278,9 @@ class ModelRunner:
         return PendingStep(result, tokens, shape, launched.pooled)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
-        """The scheduled chunks as one padded numpy batch (one transfer per field). Also
-        returns, for placeholder tokens, their row in the previous step (else -1), or None
-        when there are none."""
-        scheduled = out.scheduled
-        max_blocks = max((len(s.block_table) for s in scheduled), default=1)
-        shape = self.buckets.shape_for(out.num_batched_tokens, len(scheduled),
-                                       len(out.sample_rows), max_blocks)
-        count = len(scheduled)
-        tokens: list[int] = []
-        num_new = np.empty(count, np.int32)
-        num_computed = np.empty(count, np.int32)
-        tables = np.zeros((count, max_blocks), np.int32)
-        chunk_of: dict[int, int] = {}
-        prev_rows = None
-        for i, item in enumerate(scheduled):
-            n, first = item.num_new_tokens, item.start
-            if item.seq.pending:
-                for pos, row in item.seq.pending.items():
-                    if first <= pos < first + n:
-                        if prev_rows is None:
-                            prev_rows = np.full(shape.num_tokens, -1, np.int32)
-                        prev_rows[len(tokens) + pos - first] = row
-            if n == 1:
-                tokens.append(item.seq.token_ids[first])
-            else:
-                tokens.extend(item.seq.token_ids[first:first + n])
-            num_new[i], num_computed[i] = n, first
-            tables[i, :len(item.block_table)] = item.block_table
-            chunk_of[item.seq.seq_id] = i
-        rows = np.fromiter((chunk_of[row.source.seq_id] for row in out.sample_rows), np.int32,
-                           len(out.sample_rows))
-        batch = pack_batch(
-            SeqChunks(np.asarray(tokens, np.int32), num_new, num_computed, tables),
-            self.block_size, num_tokens=shape.num_tokens, num_seqs=shape.num_seqs,
-            table_width=shape.table_width, logits_rows=rows, num_logits=shape.num_seqs,
-            decode_only=shape.is_decode)
-        return batch, shape, prev_rows
+        """The scheduled chunks as one padded numpy batch, and the placeholder tokens' rows in
+        the previous step (None without placeholders): :func:`step_inputs.pack_step`."""
+        return pack_step(out, self.buckets, self.block_size)
 
     # ------------------------------------------------------------- block moves
     def _apply_block_moves(self, out: SchedulerOutput) -> None:

@@ -12,25 +12,28 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.engine_config import SchedulerConfig
 from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
+if TYPE_CHECKING:
+    import numpy as np
+
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSeq:
     """Compute tokens ``token_ids[start:start + num_new_tokens]`` of ``seq`` this step."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
-    block_table: list[int] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class ScheduledSample:
     """Sample one token for ``seq`` from the logits of ``source``'s last scheduled token
     (``source`` is ``seq`` itself, or the parent when a request forks into n samples)."""
@@ -49,6 +52,14 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[SequenceGroup] = dataclasses.field(default_factory=list)
+    # The scheduled seqs' GPU blocks, row i = scheduled[i] (one gather of the block manager's
+    # numpy rows, taken when schedule() returns):
+    block_tables: np.ndarray | None = None  # i32[C, W] null-padded, W = the longest table
+    num_blocks: np.ndarray | None = None  # i32[C]
+
+    def block_table(self, i: int) -> list[int]:
+        """scheduled[i]'s block ids."""
+        return self.block_tables[i, :self.num_blocks[i]].tolist()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -188,14 +199,16 @@ class Scheduler:
                 index += 1
         if len(out.preempted) == preempted_before:
             self._admit(budget, out)
-        for item in out.scheduled:
-            item.block_table = self.block_manager.block_table(item.seq.seq_id)
+        out.block_tables, out.num_blocks = self.block_manager.block_tables(
+            [item.seq.seq_id for item in out.scheduled])
         return out
 
     def _schedule_running(self, group: SequenceGroup, budget: _Budget,
                           out: SchedulerOutput) -> bool:
         """Schedules a running group's missing tokens. False if the group itself was
         preempted (it has left ``running``)."""
+        if len(group.seqs) == 1 and self._schedule_decode(group, group.seqs[0], budget, out):
+            return True
         planned: list[tuple[Sequence, int]] = []
         tokens, seqs = budget.tokens, budget.seqs
         for seq in group.seqs_with_status(SequenceStatus.RUNNING):
@@ -228,6 +241,33 @@ class Scheduler:
         for seq in group.seqs_with_status(SequenceStatus.WAITING):
             if not self._admit_seq(group, seq, budget, out):
                 break
+        return True
+
+    def _schedule_decode(self, group: SequenceGroup, seq: Sequence, budget: _Budget,
+                         out: SchedulerOutput) -> bool:
+        """What the general path does for its commonest case, a lone running sequence one
+        token behind, with ~3x less host time (it runs for every running sequence every
+        step). False, having changed nothing, for any other case (preemption included)."""
+        if seq.status is not SequenceStatus.RUNNING or group.params.n != 1:
+            return False
+        if seq.pending and seq.reached_output_limit:
+            return True  # its last token is being sampled: it finishes when that arrives
+        computed = seq.num_computed_tokens
+        if len(seq.token_ids) != computed + 1 or not budget.tokens or not budget.seqs:
+            return False
+        bm = self.block_manager
+        if computed % self.block_size == 0 and not bm.num_free_blocks:
+            return False  # needs a block, and a preemption to get it
+        copies = bm.allocate_slots(seq.seq_id, seq.token_ids, computed, 1,
+                                   num_cacheable_tokens=len(seq.token_ids) - len(seq.pending))
+        if copies is None:
+            return False
+        out.blocks_to_copy.extend(copies)
+        out.scheduled.append(ScheduledSeq(seq, computed, 1))
+        seq.num_computed_tokens = computed + 1
+        budget.tokens -= 1
+        budget.seqs -= 1
+        out.sample_rows.append(ScheduledSample(seq, seq, group))
         return True
 
     def _blocks_needed(self, planned: list[tuple[Sequence, int]], shared: bool) -> int:
