@@ -76,6 +76,8 @@ class ServerConfig:
     # Engine-core processes, each a whole replica of the model over its own devices (on GPU:
     # tensor_parallel_size each), every front end balancing requests over them all.
     data_parallel_size: int = 1
+    # --headless: a multi-host worker node (--node-rank > 0): the worker loop, no API server.
+    headless: bool = False
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -218,7 +220,65 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                         help="engine-core processes, each a replica of the model over its own "
                         "tensor-parallel-size devices; requests go to the least loaded one, or "
                         "to the one that served their prompt's prefix")
+    nodes = p.add_argument_group(
+        "multi-node", "one model over the devices of several hosts (jax.distributed): run the "
+        "same command on each, with its --node-rank, and --headless on all but node 0. "
+        "Without the flags, LeaderWorkerSet's LWS_GROUP_SIZE, LWS_WORKER_INDEX and "
+        "LWS_LEADER_ADDRESS are read")
+    nodes.add_argument("--nnodes", type=int, default=None,
+                       help="hosts the model spans, one process each; --tensor-parallel-size "
+                       "x --pipeline-parallel-size must equal all their devices (default: "
+                       "$LWS_GROUP_SIZE, else 1)")
+    nodes.add_argument("--node-rank", type=int, default=None,
+                       help="this host's rank: 0 schedules and serves, the others replay its "
+                       "steps (default: $LWS_WORKER_INDEX, else 0)")
+    nodes.add_argument("--master-addr", default=None,
+                       help="node 0's address, where the JAX coordinator runs (default: "
+                       "$LWS_LEADER_ADDRESS, else 127.0.0.1)")
+    nodes.add_argument("--master-port", type=int, default=29501,
+                       help="the JAX coordinator's port on node 0; node 0's step channel to "
+                       "the workers listens on the next port")
+    nodes.add_argument("--headless", action="store_true",
+                       help="run no API server: a worker node's loop (--node-rank > 0)")
     return p
+
+
+def node_flags(args: argparse.Namespace, environ: dict) -> dict:
+    """nnodes, node_rank, master_addr and master_port from the flags, else from the
+    environment a LeaderWorkerSet gives every pod (size, index, leader's address), else one
+    node. Raises ValueError naming the flag or variable."""
+    def from_env(flag: str, value, var: str, default):
+        if value is not None or var not in environ:
+            return default if value is None else value
+        if default is None or isinstance(default, str):
+            return environ[var]
+        try:
+            return int(environ[var])
+        except ValueError:
+            raise ValueError(f"{var}={environ[var]!r} (read for {flag}) must be an "
+                             "integer") from None
+
+    nodes = dict(nnodes=from_env("--nnodes", args.nnodes, "LWS_GROUP_SIZE", 1),
+                 node_rank=from_env("--node-rank", args.node_rank, "LWS_WORKER_INDEX", 0),
+                 master_addr=from_env("--master-addr", args.master_addr,
+                                      "LWS_LEADER_ADDRESS", "127.0.0.1"),
+                 master_port=args.master_port)
+    if nodes["nnodes"] < 1:
+        raise ValueError(f"--nnodes={nodes['nnodes']} must be >= 1")
+    if not 0 <= nodes["node_rank"] < nodes["nnodes"]:
+        raise ValueError(f"--node-rank={nodes['node_rank']} must be in [0, --nnodes="
+                         f"{nodes['nnodes']})")
+    if args.headless and nodes["node_rank"] == 0:
+        raise ValueError("--headless runs a worker node (--node-rank > 0); node 0 runs the "
+                         "API server")
+    if nodes["node_rank"] > 0 and not args.headless:
+        raise ValueError(f"--node-rank={nodes['node_rank']}: nodes other than 0 run no API "
+                         "server; add --headless")
+    if nodes["nnodes"] > 1 and args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} with --nnodes="
+                         f"{nodes['nnodes']} is not supported: run one multi-node group per "
+                         "replica (e.g. a LeaderWorkerSet's replicas)")
+    return nodes
 
 
 def configs_from_args(args: argparse.Namespace,
@@ -252,7 +312,7 @@ def configs_from_args(args: argparse.Namespace,
         quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-        disable_log_stats=args.disable_log_stats)
+        disable_log_stats=args.disable_log_stats, **node_flags(args, environ))
     server = ServerConfig(
         host=args.host, port=args.port,
         served_model_name=tuple(args.served_model_name or ()),
@@ -274,10 +334,11 @@ def configs_from_args(args: argparse.Namespace,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
-        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        headless=args.headless)
     gpus = visible_gpus(environ)  # known before loading on CUDA only (None elsewhere)
     needed = (server.data_parallel_size * engine.tensor_parallel_size
-              * engine.pipeline_parallel_size)
+              * engine.pipeline_parallel_size) // engine.nnodes  # this node's share
     if gpus is not None and needed > len(gpus):
         raise ValueError(f"--data-parallel-size={server.data_parallel_size} x "
                          f"--tensor-parallel-size={engine.tensor_parallel_size} x "

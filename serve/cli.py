@@ -5,6 +5,8 @@ and this process serves HTTP; ``--data-parallel-size N`` runs N engine-core proc
 (replicas) and balances requests over them; ``--api-server-count N`` > 1 serves from N
 front-end processes on one shared listening socket (:mod:`jaxllm.serve.frontends`).
 ``JAXLLM_ENABLE_MULTIPROCESSING=0`` keeps the engine on a thread of this process instead.
+``--nnodes N --node-rank R --headless`` on hosts other than node 0 runs no server: the worker
+loop of :mod:`jaxllm.engine.multihost`.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(e))  # exits 2, before anything is loaded
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: "
                                                    "%(message)s")
+    if server_config.headless:
+        return _run_worker_node(engine_config)
     if not server_config.engine_process:
         return _serve_in_process(engine_config, server_config)
     try:
@@ -61,6 +65,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.shutdown()
+
+
+def _run_worker_node(engine_config: EngineConfig) -> int:
+    """``--headless``: a multi-host worker; replays node 0's steps until it stops (0) or is
+    gone (1)."""
+    from jaxllm.engine.multihost import run_worker
+
+    try:
+        return run_worker(engine_config)
+    except (JaxLLMError, ValueError, OSError) as e:
+        print(f"jaxllm serve: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _serve_in_process(engine_config: EngineConfig, server_config: ServerConfig) -> int:

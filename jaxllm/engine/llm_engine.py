@@ -38,6 +38,7 @@ from jaxllm.engine.model_runner import (
     PreparedForward,
     StepResult,
 )
+from jaxllm.engine.multihost import NodeGroup
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -76,6 +77,8 @@ class LLMEngine:
             flags = os.environ.get("XLA_FLAGS", "")
             if "xla_gpu_enable_command_buffer" not in flags:
                 os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+        # Multi-host: join the other nodes before anything starts a JAX backend.
+        self.nodes = NodeGroup.join(config) if config.nnodes > 1 else None
         if config.compilation_cache_dir and not config.enforce_eager:
             use_compilation_cache(config.compilation_cache_dir)
         config = config.replace(unroll_layers=resolve_unroll_layers(
@@ -117,6 +120,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_batched, attention_backend=backend, kv_dtype=kv_dtype)
         logger.info(plan.report)
+        if self.nodes is not None:
+            plan = self.nodes.agree_kv_plan(plan)
         if -(-max_model_len // config.block_size) > plan.num_gpu_blocks - 1:
             fits = (plan.num_gpu_blocks - 1) * config.block_size
             raise ValueError(
@@ -162,6 +167,8 @@ class LLMEngine:
         if not config.enforce_eager:
             with out_of_memory_explained("compiling the step programs"):
                 self.warm_up_seconds = self.runner.warm_up(progress)
+        if self.nodes is not None and self.nodes.is_leader:  # from here on, the workers
+            self.runner.mirror = self.nodes.broadcaster()  # launch what this runner launches
         # Where start-up time goes (issue 16's warm restart), for the log and the benchmarks.
         self.startup_seconds = {"weights": loaded - start, "kv_cache": allocated - loaded,
                                 "warm_up": self.warm_up_seconds}

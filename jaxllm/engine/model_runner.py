@@ -28,10 +28,12 @@ from jaxllm.engine.step_programs import ProgramKey, step_programs
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.parallel import logits_sharding
+from jaxllm.parallel.distributed import put_from_host
 from jaxllm.sampling import (
     SamplerInput,
     SamplerOutput,
     SampleVariant,
+    SamplingMetadata,
     build_sampling_metadata,
     penalty_width,
     sample_variant,
@@ -68,11 +70,12 @@ class PendingStep:
     """A launched step; ``wait()`` blocks until its samples are on the host."""
 
     def __init__(self, result: SamplerOutput, tokens: jax.Array, shape: StepShape,
-                 pooled: tuple[jax.Array, jax.Array] | None = None):
+                 pooled: tuple[jax.Array, jax.Array] | None = None, index: int = 0):
         self._result = result
         self._pooled = pooled
         self.tokens = tokens  # i32[max rows] sampled ids on the device, for the next step
         self.shape = shape
+        self.index = index  # the runner's count of samplers launched before this one
 
     def wait(self) -> StepResult:
         host: SamplerOutput
@@ -92,6 +95,8 @@ class PreparedForward:
     prev_rows: jax.Array  # i32[T]: each token's row in the previous step's samples, or -1
     has_placeholders: bool  # some rows of prev_rows are not -1
     shape: StepShape
+    # Multi-host leader only: prepare_packed's arguments, sent to the workers at the launch.
+    host: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +106,7 @@ class LaunchedForward:
     logits: jax.Array  # f32[rows bucket, V] on the device
     shape: StepShape
     pooled: tuple[jax.Array, jax.Array] | None = None  # (f32[rows, H], f32[seqs, H])
+    index: int = 0  # the runner's count of forwards launched before this one
 
 
 def _pad_to_power_of_two(n: int) -> int:
@@ -151,7 +157,12 @@ class ModelRunner:
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
         self._compile_lock = threading.Lock()
-        self.num_steps = 0
+        self.num_steps = 0  # samplers launched
+        self.num_forwards = 0
+        # Multi-host leader: sends each device launch, before it is made, to the workers,
+        # which launch the same (jaxllm.engine.multihost.StepBroadcaster). None: one process.
+        self.mirror = None
+        self._put = jax.device_put if jax.process_count() == 1 else put_from_host
 
     # ------------------------------------------------------------------ warm-up
     def warm_up(self, progress: bool = True, workers: int | None = None) -> float:
@@ -238,12 +249,19 @@ class ModelRunner:
         pooled hidden states (``StepResult.pooled_*``)."""
         self._apply_block_moves(out)
         batch, shape, prev_rows = self.pack(out)
+        return self.prepare_packed(shape, pooling, batch, prev_rows)
+
+    def prepare_packed(self, shape: StepShape, pooling: bool, batch: BatchMetadata,
+                       prev_rows: np.ndarray | None) -> PreparedForward:
+        """``prepare_forward`` from a packed batch (``pack``'s numpy values): where a
+        multi-host worker starts, from the leader's arrays."""
+        host = (shape, pooling, batch, prev_rows) if self.mirror is not None else None
         has_placeholders = prev_rows is not None
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
         exe, shardings = self._forward_executable(shape, pooling)
-        batch, prev_rows = jax.device_put((batch, prev_rows), shardings)
-        return PreparedForward(exe, batch, prev_rows, has_placeholders, shape)
+        batch, prev_rows = self._put((batch, prev_rows), shardings)
+        return PreparedForward(exe, batch, prev_rows, has_placeholders, shape, host)
 
     def launch_forward(self, prepared: PreparedForward,
                        prev: PendingStep | None = None) -> LaunchedForward:
@@ -253,10 +271,14 @@ class ModelRunner:
         see ``prev``'s tokens first (the grammar bitmask of constrained rows)."""
         if prepared.has_placeholders and prev is None:
             raise ValueError("placeholder tokens need the step that samples them")
+        if self.mirror is not None:
+            self.mirror.send(("forward", self.num_forwards, prepared.host,
+                              prev.index if prepared.has_placeholders else -1))
         prev_tokens = prev.tokens if prepared.has_placeholders else self._no_prev_tokens
         logits, self.kv_pool, pooled = prepared.executable(
             self.model.params, self.kv_pool, prepared.batch, prev_tokens, prepared.prev_rows)
-        return LaunchedForward(logits, prepared.shape, pooled)
+        self.num_forwards += 1
+        return LaunchedForward(logits, prepared.shape, pooled, self.num_forwards - 1)
 
     def launch_sampler(self, launched: LaunchedForward, rows: Sequence[SamplerInput],
                        token_bitmask: np.ndarray | None = None) -> PendingStep:
@@ -272,10 +294,18 @@ class ModelRunner:
             rows, shape.num_seqs,
             _pad_to_power_of_two(penalty_width(rows)) if variant.use_penalties else 0,
             BANNED_WIDTH, token_bitmask if variant.use_bitmask else None)
-        exe = self._sampler_executable((shape.num_seqs, md.token_ids.shape[1], variant))
-        result, tokens = exe(launched.logits, md)
+        return self.launch_sampler_packed(launched, (shape.num_seqs, md.token_ids.shape[1],
+                                                     variant), md)
+
+    def launch_sampler_packed(self, launched: LaunchedForward, key: tuple,
+                              md: SamplingMetadata) -> PendingStep:
+        """``launch_sampler`` from its metadata (numpy) and sampler key (rows, penalty width,
+        variant): where a multi-host worker starts, from the leader's."""
+        if self.mirror is not None:
+            self.mirror.send(("sample", launched.index, key, md))
+        result, tokens = self._sampler_executable(key)(launched.logits, md)
         self.num_steps += 1
-        return PendingStep(result, tokens, shape, launched.pooled)
+        return PendingStep(result, tokens, launched.shape, launched.pooled, self.num_steps - 1)
 
     def pack(self, out: SchedulerOutput) -> tuple[BatchMetadata, StepShape, np.ndarray | None]:
         """The scheduled chunks as one padded numpy batch, and the placeholder tokens' rows in
@@ -310,7 +340,13 @@ class ModelRunner:
             size = _pad_to_power_of_two(len(src))
             src_ids, dst_ids = np.zeros(size, np.int32), np.zeros(size, np.int32)
             src_ids[:len(src)], dst_ids[:len(dst)] = src, dst
-            self.kv_pool = self._programs.copy(self.kv_pool, src_ids, dst_ids)
+            self.copy_blocks(src_ids, dst_ids)
+
+    def copy_blocks(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> None:
+        """Copies KV blocks ``src_ids`` to ``dst_ids`` (i32[n], padded with 0 -> 0)."""
+        if self.mirror is not None:
+            self.mirror.send(("copy_blocks", src_ids, dst_ids))
+        self.kv_pool = self._programs.copy(self.kv_pool, src_ids, dst_ids)
 
     def _host_pools(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
