@@ -59,6 +59,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="split the layers into this many stages (tp x pp devices; the "
                         "roofline is then one device's share of weights and KV cache, as if "
                         "the stages never waited on each other)")
+    parser.add_argument("--pp-micro-batches", type=int, default=None,
+                        help="with -pp: micro-batches per decode step (default: the engine's "
+                        "rule, jaxllm.parallel.pipeline.num_micro_batches)")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["int8", "fp8", "awq", "gptq"],
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
@@ -110,7 +113,8 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 
 
 def compile_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
-                        backend: str = "auto", pool_blocks: int | None = None):
+                        backend: str = "auto", pool_blocks: int | None = None,
+                        micro_batches: int | None = None):
     """One greedy decode step of ``batch_size`` sequences at ``context`` tokens, compiled (the
     pool donated; under tensor parallelism split by KV head as the engine splits it). Returns
     ``(step, pool, batch)``: ``step(params, pool, batch) -> (tokens, pool)``."""
@@ -131,7 +135,7 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
                        list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)))
               for i in range(batch_size)]
     batch = jax.device_put(pack_batch(chunks, block_size))
-    forward = make_forward(cfg, model.dtype, backend, model.mesh)
+    forward = make_forward(cfg, model.dtype, backend, model.mesh, micro_batches=micro_batches)
     greedy_rows = build_sampling_metadata([], batch_size, 0, 0)  # padding rows are greedy
 
     def step(params, kv_pool, batch):
@@ -147,14 +151,16 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
 
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
-                     pool_blocks: int | None = None) -> tuple[float, float, int]:
+                     pool_blocks: int | None = None,
+                     micro_batches: int | None = None) -> tuple[float, float, int]:
     """Median seconds of one decode step, and of its launch alone (the call returning before
     the result is ready: a launch as long as the step means the host is blocked), and the
     compiled step's temporary bytes."""
     import jax
 
     step, pool, batch = compile_decode_step(model, batch_size, context, block_size=block_size,
-                                            backend=backend, pool_blocks=pool_blocks)
+                                            backend=backend, pool_blocks=pool_blocks,
+                                            micro_batches=micro_batches)
     # XLA's plan beyond the pool: a pool-sized figure here means the pool is not updated in place.
     temp_bytes = int(getattr(step.memory_analysis(), "temp_size_in_bytes", 0) or 0)
     print(f"batch {batch_size}: compiled step needs {temp_bytes / 1e9:.2f} GB of temporaries "
@@ -214,7 +220,8 @@ def run(args: argparse.Namespace) -> dict:
         measured, launch, temp_bytes = time_decode_step(
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
-            pool_blocks=args.pool_blocks)
+            pool_blocks=args.pool_blocks, micro_batches=args.pp_micro_batches)
+        micro = min(args.pp_micro_batches or num_micro_batches(b, pp), b) if pp > 1 else 1
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
                            matmul_params / (tp * pp), args.peak_tflops, tp * pp)
         rows.append({"batch_size": b, "context_len": args.context_len,
@@ -224,9 +231,8 @@ def run(args: argparse.Namespace) -> dict:
                      "pct_of_roofline": 100 * bound / measured,
                      "output_tokens_per_s": b / measured,
                      # Pipeline stages: the step's micro-batches and the idle share of them.
-                     "micro_batches": num_micro_batches(b, pp) if pp > 1 else 1,
-                     "bubble_fraction": bubble_fraction(num_micro_batches(b, pp), pp)
-                     if pp > 1 else 0.0})
+                     "micro_batches": micro,
+                     "bubble_fraction": bubble_fraction(micro, pp)})
     print(f"layers {'unrolled' if unroll else 'scanned'}"
           + (f", {pp} pipeline stages" if pp > 1 else ""))
     print(f"{'batch':>6}{'step ms':>10}{'launch ms':>11}{'roofline ms':>13}{'% roofline':>12}"

@@ -131,6 +131,9 @@ class LlamaForCausalLM(nn.Module):
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
     mesh: Mesh | None = None  # tensor / pipeline parallel: the params' and pool's mesh
+    # Pipeline parallel: micro-batches per step; None: by the step's size
+    # (jaxllm.parallel.pipeline.num_micro_batches).
+    micro_batches: int | None = None
 
     @nn.compact
     def __call__(self, kv_pool: AnyKVPool, batch: BatchMetadata, return_hidden: bool = False):
@@ -166,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
                 return hidden, pool
 
             hidden, kv_pool = pipelined_layers(stage_fn, self.variables["params"]["layers"],
-                                               hidden, kv_pool, cos, sin, batch, self.mesh)
+                                               hidden, kv_pool, cos, sin, batch, self.mesh,
+                                               self.micro_batches)
         elif unrolled:
             # Each layer is layer 0 of its own one-layer pool, with its own params' tree.
             layers = self.variables["params"]["layers"]
@@ -205,14 +209,16 @@ ForwardFn = Callable[[Any, AnyKVPool, BatchMetadata], tuple[jax.Array, AnyKVPool
 
 def make_forward(config: ModelConfig, dtype: Dtype = jnp.float32,
                  attention_backend: str = "auto", mesh: Mesh | None = None, *,
-                 return_hidden: bool = False) -> ForwardFn:
+                 return_hidden: bool = False, micro_batches: int | None = None) -> ForwardFn:
     """The pure forward ``(params, kv_pool, batch) -> (logits f32[N, V], kv_pool)``, plus
     every token's final-normed hidden state [T, H] with ``return_hidden``; the
     layers are scanned for stacked params and unrolled for per-layer params (the pool's
     layout must match: see the module docstring). With ``mesh`` (tensor parallel), params and
     pool are sharded over it (:mod:`jaxllm.parallel`) and attention runs per shard; the
-    logits come back split by vocabulary when the LM head is."""
-    model = LlamaForCausalLM(config, dtype, attention_backend, mesh)
+    logits come back split by vocabulary when the LM head is. A mesh with pipeline stages runs
+    the layers as :func:`jaxllm.parallel.pipeline.pipelined_layers` over ``micro_batches``
+    micro-batches a step (None: chosen by the step's size)."""
+    model = LlamaForCausalLM(config, dtype, attention_backend, mesh, micro_batches)
 
     def forward(params, kv_pool: AnyKVPool, batch: BatchMetadata):
         return model.apply({"params": params}, kv_pool, batch, return_hidden)

@@ -29,11 +29,17 @@ Why in-step micro-batches, not vLLM's pp batches in flight across engine steps: 
 async scheduling already keeps one step in flight, and the next step's inputs depend on this
 step's sampled tokens; holding pp independent batches in flight would need the scheduler to
 keep pp disjoint sets of running requests, which it does not. Inside one jitted step the
-overlap needs no scheduler change and is the same program on CPU and GPU. The cost: a stage
-reads its weights once per iteration, M + pp - 1 times a step, which in a memory-bound
-decode step outweighs the bubble it removes; hence M = pp for small steps and more
-micro-batches only when each still has :data:`MIN_MICRO_BATCH_TOKENS` tokens
-(:func:`num_micro_batches`).
+overlap needs no scheduler change and is the same program on CPU and GPU.
+
+Cost model (what picks M, :func:`num_micro_batches`): a step is M + pp - 1 stage iterations,
+and each reads its stage's weights once whatever its size. A memory-bound micro-batch (decode,
+fewer tokens than the GPU's flop/byte balance) costs that read alone, so the step reads
+(M + pp - 1) / pp of the model: 1.5x at M = pp = 2, where M = 1 reads it once (and overlaps
+nothing). A compute-bound one costs its T / M tokens, so the step costs T (1 + (pp - 1) / M)
+/ pp: more micro-batches, less bubble. Hence M = pp, the fewest that keep every stage busy
+outside the bubble, and up to 4 pp while each keeps :data:`MIN_MICRO_BATCH_TOKENS`. Whether
+M = 1 serves decode steps better is for a GPU to say (``jaxllm bench latency -pp 2
+--pp-micro-batches 1``; ``make_forward(..., micro_batches=M)`` fixes M).
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ from jaxllm.parallel.mesh import PP_AXIS, pipeline_parallel_size
 # H200's ~300 flop/byte balance, not measured here), so cutting a step finer shrinks the
 # bubble without re-reading weights for nothing.
 MIN_MICRO_BATCH_TOKENS = 256
-MAX_MICRO_BATCHES_PER_STAGE = 4  # M <= 4 pp: the bubble is then <= 1/5 at pp = 2
-PAD_SLOT = -1  # as jaxllm.kv_pool.PAD_SLOT (imported there from here would cycle)
+# Each micro-batch re-reads its stage's weights; at M = 4 pp the bubble is down to 1/9 (pp = 2).
+MAX_MICRO_BATCHES_PER_STAGE = 4
+PAD_SLOT = -1  # jaxllm.kv_pool.PAD_SLOT (kv_pool imports this package: no import back)
 
 # (layer params [L/pp, ...], hidden [Tm, H], pool [L/pp, ...], cos, sin [Tm, D], batch)
 #   -> (hidden [Tm, H], pool): one stage's layers over one micro-batch.
@@ -75,10 +82,10 @@ def bubble_fraction(num_micro: int, pp: int) -> float:
 
 
 def _is_decode(batch) -> bool:
-    """As :func:`jaxllm.attention.is_decode_batch` (that module imports this package)."""
-    flag = getattr(batch, "decode_only", None)
-    return bool(flag) if flag is not None else \
-        batch.input_ids.shape[0] == batch.block_tables.shape[0]
+    """Only a batch that says so (the engine's and ``generate()``'s decode steps): a batch
+    whose T == S by chance may hold several tokens of one sequence, which cutting the
+    sequence axis with the token axis would part from their sequence."""
+    return getattr(batch, "decode_only", None) is True
 
 
 def _pad_rows(x: jax.Array, rows: int, value) -> jax.Array:
@@ -118,7 +125,7 @@ def micro_batch(batch, index: jax.Array, size: int, live: jax.Array):
     local = jnp.clip(starts - start, 0, size)  # [S + 1]
     seq_lens = seq_lens - jnp.maximum(ends - (start + size), 0)
     seq_lens = jnp.where(local[1:] > local[:-1], seq_lens, 0)
-    # decode_only stated: a mixed micro-batch may have Tm == S, which reads as a decode.
+    # decode_only stated: a mixed micro-batch may have Tm == S, which would read as a decode.
     return batch.replace(input_ids=take(batch.input_ids), positions=take(batch.positions),
                          slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
                          query_start_loc=local, decode_only=_is_decode(batch))
@@ -126,12 +133,13 @@ def micro_batch(batch, index: jax.Array, size: int, live: jax.Array):
 
 def pipelined_layers(stage_fn: StageFn, layer_params: Any, hidden: jax.Array, kv_pool: Any,
                      cos: jax.Array, sin: jax.Array, batch, mesh: Mesh,
-                     ) -> tuple[jax.Array, Any]:
+                     num_micro: int | None = None) -> tuple[jax.Array, Any]:
     """The whole layer stack over ``hidden`` [T, H] as ``pp`` stages in a GPipe schedule
-    (module docstring); returns the last stage's hidden states [T, H] and the pool."""
+    (module docstring) of ``num_micro`` micro-batches (None: :func:`num_micro_batches`);
+    returns the last stage's hidden states [T, H] and the pool."""
     pp = pipeline_parallel_size(mesh)
     num_tokens, width = hidden.shape
-    num_micro = num_micro_batches(num_tokens, pp)
+    num_micro = min(num_micro or num_micro_batches(num_tokens, pp), num_tokens)
     size = -(-num_tokens // num_micro)  # Tm
     padded = num_micro * size
     batch = pad_batch(batch, padded)

@@ -1,8 +1,9 @@
 """Pipeline parallelism on forced host devices (run by ``tests/test_tensor_parallel.py`` in the
 tensor-parallel cases' process, with four host devices): PP = 2, and PP = 2 x TP = 2, give the
-greedy tokens of one device through the engine (chunked prefill, several requests at once) and
-``LLM``; the layers and the KV pool are split by stage; more micro-batches than stages (a
-sequence cut between them) give one device's logits; the benchmark commands take ``-pp``."""
+greedy tokens of one device through the engine (chunked prefill, four requests running, prefix
+caching) and ``LLM``; the layers and the KV pool are split by stage; more micro-batches than
+stages (a sequence cut between them) give one device's logits; the benchmark commands take
+``-pp``."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def tiny_model(name: str = "llama3_rope_scaling", layers: int = 2) -> LoadedMode
 def requests():
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, 128, int(n)).tolist() for n in (3, 24, 17, 9, 20, 5)]
-    return prompts, [9, 6, 12, 4, 8, 10]
+    prompts.append(prompts[1][:16] + [7, 8, 9])  # two cached blocks of the second prompt
+    return prompts, [9, 6, 12, 4, 8, 10, 5]
 
 
 @functools.cache
@@ -54,11 +56,12 @@ def one_device_tokens() -> list:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_engine_at_pp2_gives_one_devices_tokens_and_splits_the_pool_by_stage(tp):
     engine = make_engine(tiny_model(), pipeline_parallel_size=2, tensor_parallel_size=tp,
-                         **LIMITS)
+                         enable_prefix_caching=True, **LIMITS)
     prompts, max_tokens = requests()
     got = [o.outputs[0].token_ids for o in run_all(engine, prompts, max_tokens)]
     assert got == one_device_tokens()
     assert max(map(len, prompts)) > LIMITS["max_num_batched_tokens"]  # chunked prefill
+    assert engine.block_manager.prefix_cache_hits > 0
     assert engine.model.pipeline_parallel_size == 2 and engine.model.tensor_parallel_size == tp
     assert not engine.model.unroll_layers  # stages scan their layers
     pool = engine.runner.kv_pool
