@@ -88,6 +88,72 @@ def test_the_core_process_serves_the_in_process_engines_tokens(core_server, smol
     wait_idle(server)
 
 
+async def stream_choice(session, body) -> dict:
+    """A streamed completion put back together: text, finish and stop reasons, usage."""
+    got = {"text": "", "finish_reason": None, "stop_reason": None, "usage": None}
+    async with session.post(C, json=body | {"stream": True,
+                                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            line = line.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            got["usage"] = chunk.get("usage") or got["usage"]
+            for choice in chunk["choices"]:
+                got["text"] += choice["text"]
+                if choice["finish_reason"]:
+                    got["finish_reason"] = choice["finish_reason"]
+                    got["stop_reason"] = choice.get("stop_reason")
+    return got
+
+
+def test_stop_strings_end_requests_in_the_front_end_and_in_the_core(core_server, smollm2_llm):
+    # The core ships token ids; the front end detokenizes and finds the stop strings. The
+    # text, finish and stop reasons and usage are the in-process engine's, streamed or not,
+    # and the core stops each request there: it generates a step or two past the stop, not
+    # up to max_tokens, and frees its blocks.
+    server, _ = core_server
+    free = smollm2_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
+    words = [o.outputs[0].text.split() for o in free]
+    stops = [w[len(w) // 2] for w in words]  # a word from the middle of each greedy text
+    include = [False, True, False]  # include_stop_str_in_output
+    params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[s],
+                             include_stop_str_in_output=i) for s, i in zip(stops, include)]
+    expected = [o.outputs[0] for o in smollm2_llm.generate(PROMPTS, params)]
+    assert {o.finish_reason for o in expected} == {"stop"}
+    while smollm2_llm.engine.has_unfinished_requests():  # a step still in flight
+        smollm2_llm.engine.step()
+    assert_engine_idle(smollm2_llm.engine)
+    before = wait_idle(server).generation_tokens
+
+    async def scenario():
+        async with aiohttp.ClientSession(base_url=server.url) as session:
+            bodies = [{"prompt": p, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                       "stop": [s], "include_stop_str_in_output": i}
+                      for p, s, i in zip(PROMPTS, stops, include)]
+            responses = await asyncio.gather(*(session.post(C, json=b) for b in bodies))
+            whole = [await r.json() for r in responses]
+            streamed = await asyncio.gather(*(stream_choice(session, b) for b in bodies))
+            return whole, streamed
+
+    whole, streamed = asyncio.run(asyncio.wait_for(scenario(), 120))
+    for out, body, got in zip(expected, whole, streamed, strict=True):
+        want = {"text": out.text, "finish_reason": "stop", "stop_reason": out.stop_reason,
+                "completion_tokens": len(out.token_ids)}
+        choice = body["choices"][0]
+        assert {k: choice[k] for k in ("text", "finish_reason", "stop_reason")} | {
+            "completion_tokens": body["usage"]["completion_tokens"]} == want
+        assert {k: got[k] for k in ("text", "finish_reason", "stop_reason")} | {
+            "completion_tokens": got["usage"]["completion_tokens"]} == want
+    idle = wait_idle(server)
+    # Async scheduling runs a sample up to 2 steps past its last token; the front end's
+    # "stop" reaches the core within a few more.
+    slack = 2 * len(PROMPTS) * 6
+    assert idle.generation_tokens - before <= 2 * sum(len(o.token_ids) for o in expected) + slack
+    assert idle.kv_usage == 0 and idle.num_free_blocks == idle.num_gpu_blocks - 1
+
+
 def test_refusals_cross_the_process_boundary_as_400s(core_server):
     server, _ = core_server
 

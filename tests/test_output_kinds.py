@@ -10,6 +10,7 @@ from test_engine import make_engine
 from test_structured_outputs import tiny_over_smollm2_vocab  # noqa: F401 - a fixture
 
 from jaxllm import RequestOutputKind, SamplingParams
+from jaxllm.engine.request_outputs import RequestOutputProcessor
 
 PROMPTS = ["The cat", "Once upon a time", "1, 2, 3,"]
 
@@ -66,3 +67,44 @@ def test_delta_outputs_add_up_to_the_cumulative_output(tiny_over_smollm2_vocab, 
             len(o.token_ids) for o in last.outputs)
     assert stopped  # some samples ended on the stop string
     assert not engine.has_unfinished_requests()
+
+
+def run_split(engine, kind: RequestOutputKind) -> dict[str, list]:
+    """``run``, with the engine as the engine-core process runs it (token deltas out, no
+    detokenizing) and a front end's RequestOutputProcessor making the outputs; a stop string
+    found there stops its sample in the engine between two steps, as the core's "stop"."""
+    processor = RequestOutputProcessor(engine.tokenizer)
+    for i, prompt in enumerate(PROMPTS):
+        params = SamplingParams(n=2, temperature=1.0, seed=i, max_tokens=20, logprobs=2,
+                                stop=["e "], output_kind=kind)
+        engine.add_request(f"{kind.name}-{i}", prompt, params)
+        processor.add_request(f"{kind.name}-{i}", prompt, None, params)
+    outputs: dict[str, list] = {}
+    while engine.has_unfinished_requests():
+        outs, stops = processor.process(engine.step())
+        engine.stop_sequences(stops)
+        for out in outs:
+            outputs.setdefault(out.request_id.split("-")[1], []).append(out)
+    assert not processor.requests
+    return outputs
+
+
+def test_front_end_detokenizing_gives_the_in_process_engines_outputs(
+        tiny_over_smollm2_vocab):  # noqa: F811
+    # The same requests in-process and split as jaxllm serve runs them: every output (text,
+    # tokens, logprobs, finish and stop reasons) the same, a stop string ending the sample
+    # at the same token, and its blocks freed in the engine.
+    in_process = make_engine(tiny_over_smollm2_vocab, max_model_len=64)
+    split = make_engine(tiny_over_smollm2_vocab, max_model_len=64)
+    split.ship_token_deltas()
+    stopped = 0
+    for kind in RequestOutputKind:
+        expected, got = run(in_process, kind), run_split(split, kind)
+        assert got.keys() == expected.keys()
+        for key, outs in expected.items():
+            assert [(o.finished, o.outputs) for o in got[key]] == \
+                [(o.finished, o.outputs) for o in outs], (kind, key)
+            stopped += sum(isinstance(o.stop_reason, str) for o in outs[-1].outputs)
+    assert stopped  # some samples ended on the stop string
+    assert split.stats.finished == in_process.stats.finished  # counted as "stop" in both
+    assert split.block_manager.usage == 0 and not split.has_unfinished_requests()

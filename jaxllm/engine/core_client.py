@@ -3,8 +3,11 @@
 ``--data-parallel-size`` replicas, each a whole engine over its own devices.
 
 Everything here runs on the front end's event loop: :meth:`attach` (called by the server once
-its loop runs) connects one DEALER socket per core and starts a reader on each, which puts each
-output into its request's queue (:class:`~jaxllm.engine.engine_client.EngineClient`'s streams).
+its loop runs) connects one DEALER socket per core and starts a reader on each, which turns
+the cores' token deltas into RequestOutputs (text, stop strings:
+:class:`~jaxllm.engine.request_outputs.RequestOutputProcessor`) and puts each into its
+request's queue (:class:`~jaxllm.engine.engine_client.EngineClient`'s streams). A sample a stop
+string ended here is finished here at once and stopped in its core ("stop").
 A request goes to the replica :class:`~jaxllm.engine.load_balancer.LoadBalancer` picks, and its
 abort to that replica; a call (snapshot, abort_unfinished) goes to every replica. Any core's
 death is the engine's: every request in flight fails, as with one core.
@@ -23,15 +26,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from jaxllm.engine.core_process import (
-    EngineCoreHandle,
-    decode_output,
-    dumps,
-    frontend_identity,
-)
+from jaxllm.engine.core_process import EngineCoreHandle, dumps, frontend_identity
 from jaxllm.engine.engine_client import EngineClient, EngineDeadError, EngineInfo
 from jaxllm.engine.load_balancer import LoadBalancer, ReplicaLoad
-from jaxllm.engine.outputs import RequestOutput
+from jaxllm.engine.request_outputs import RequestOutputProcessor, StopDecision
 from jaxllm.engine.snapshot import EngineSnapshot, merge_snapshots
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -65,7 +63,7 @@ class EngineCoreClient(EngineClient):
         self._sockets: list[zmq.asyncio.Socket] = []
         self._readers: list[asyncio.Task] = []
         self._replica: dict[str, int] = {}  # request id -> the core that runs it
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}
+        self.processor = RequestOutputProcessor(tokenizer)  # this front end's requests
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
 
@@ -137,6 +135,9 @@ class EngineCoreClient(EngineClient):
              prompt_token_ids: list[int] | None, priority: int) -> None:
         replica = self.balancer.choose(prompt_token_ids)
         self._replica[request_id] = replica
+        if not isinstance(params, PoolingParams):
+            self.processor.add_request(request_id, prompt, prompt_token_ids,
+                                       params or SamplingParams())
         self.balancer.added(replica)
         self._send(replica, ("add", request_id, prompt, params, prompt_token_ids, priority))
 
@@ -205,12 +206,16 @@ class EngineCoreClient(EngineClient):
     def _dispatch(self, replica: int, message: tuple) -> None:
         kind = message[0]
         if kind == "outputs":
-            for item in message[1]:
-                self._deliver(decode_output(item))
+            outputs, stops = self.processor.process(message[1])
+            if stops:
+                self._stop(replica, stops)
+            for output in outputs:
+                self._deliver(output)
         elif kind == "load":
             self.balancer.report(replica, ReplicaLoad(*message[1:4]))
         elif kind == "refused":
             _, request_id, error = message
+            self.processor.forget(request_id)
             self._release(request_id)
             self._put(request_id, error)
         elif kind == "reply":
@@ -224,16 +229,16 @@ class EngineCoreClient(EngineClient):
         elif kind == "dead":
             self._die(EngineDeadError(message[1]))
 
+    def _stop(self, replica: int, stops: list[StopDecision]) -> None:
+        """Stops in the core the samples a stop string ended here (their final outputs
+        have gone out from here; the core frees their blocks and sends nothing more that
+        is shown)."""
+        if self.dead_error is None:
+            self._send(replica, ("stop", stops))
+
     def _deliver(self, output: Any) -> None:
         request_id = output.request_id
-        if isinstance(output, RequestOutput):
-            if output.prompt_token_ids is None:  # sent with the first output only
-                output.prompt, output.prompt_token_ids = self._prompts.get(request_id,
-                                                                           (None, []))
-            elif not output.finished:
-                self._prompts[request_id] = (output.prompt, output.prompt_token_ids)
         if output.finished:
-            self._prompts.pop(request_id, None)
             self._release(request_id)
         self._put(request_id, output)
 
@@ -258,6 +263,7 @@ class EngineCoreClient(EngineClient):
         if self.dead_error is not None:
             return
         self.dead_error = error
+        self.processor.requests.clear()
         self._fail_all(error)
         for future in self._calls.values():
             if not future.done():

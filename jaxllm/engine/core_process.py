@@ -7,8 +7,11 @@ tuples (protocol 5):
 
     front end -> core   ("add", request_id, prompt, params, prompt_token_ids, priority)
                         ("abort", [request_id, ...])
+                        ("stop", [(request_id, sample index, stop string), ...])  a stop
+                                                              string the front end found
                         ("call", call_id, "snapshot" | "abort_unfinished", args)
-    core -> front end   ("outputs", [RequestOutput | EmbeddingRequestOutput, ...])  one a step
+    core -> front end   ("outputs", [token delta tuple | EmbeddingRequestOutput, ...])  one a
+                                                              step (jaxllm.engine.request_outputs)
                         ("refused", request_id, exception)    add_request raised
                         ("reply", call_id, ok, value | exception)
                         ("dead", message)                     a step failed; the core exits 1
@@ -19,10 +22,13 @@ tuples (protocol 5):
 Why ZMQ: its I/O threads do the socket writes, so the engine loop's send of a step's outputs is
 a queue push, and a slow front end never blocks the loop (high-water marks are off: an output
 is never dropped). Why pickle: the payloads are the engine's own types, and no schema has to
-be kept beside them. A step's RequestOutputs travel as plain tuples (:func:`encode_outputs`,
-:func:`decode_output`): pickling the dataclasses themselves cost 3x more on the engine's
-thread and 7x more to read (``benchmarks/ipc_step.py``, RESULTS), and a request's prompt and
-prompt ids travel with its first output only (the client keeps them).
+be kept beside them. A step's outputs travel as plain tuples of new token ids
+(:func:`jaxllm.engine.request_outputs.core_output`): pickling RequestOutput dataclasses cost 3x
+more on the engine's thread and 7x more to read (``benchmarks/ipc_step.py``, RESULTS), and a
+request's prompt and prompt ids travel with its first output only (the client keeps them).
+The core does not detokenize: each front end turns its requests' tokens into text and
+applies stop strings (:class:`jaxllm.engine.request_outputs.RequestOutputProcessor`), and
+sends "stop" for a sample a stop string ended, so that the core frees its blocks.
 The socket lives in a directory only this user can enter, so only this user's processes can
 speak to it.
 
@@ -73,32 +79,10 @@ def dumps(message: tuple) -> bytes:
     return pickle.dumps(message, protocol=PICKLE)
 
 
-def encode_outputs(outputs: list) -> list:
-    """A step's outputs for the wire: each RequestOutput as nested tuples (the prompt only in a
-    request's first, the sender decides); any other output (an embedding) as itself."""
-    encoded = []
-    for o in outputs:
-        if type(o) is RequestOutput:
-            m = o.metrics
-            encoded.append((o.request_id, o.prompt, o.prompt_token_ids, o.finished,
-                            o.num_cached_tokens,
-                            (m.arrival_time, m.first_scheduled_time, m.first_token_time,
-                             m.finished_time, m.num_cached_tokens),
-                            [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
-                              c.finish_reason, c.stop_reason) for c in o.outputs]))
-        else:
-            encoded.append(o)
-    return encoded
-
-
-def decode_output(item: Any) -> Any:
-    """The inverse of :func:`encode_outputs` for one item."""
-    if not isinstance(item, tuple):
-        return item
-    request_id, prompt, prompt_ids, finished, cached, metrics, outputs = item
-    return RequestOutput(request_id, prompt, prompt_ids,
-                         [CompletionOutput(*c) for c in outputs], finished,
-                         RequestMetrics(*metrics), cached)
+def output_request_id(output: Any) -> str:
+    """The request id of an output the engine core sends (a token delta tuple or an
+    EmbeddingRequestOutput)."""
+    return output[0] if type(output) is tuple else output.request_id
 
 
 def picklable_error(error: BaseException) -> BaseException:
@@ -248,6 +232,7 @@ def run_engine_core(config: EngineConfig, address: str, lifelines: list, parent:
         ready.send(("error", "the engine failed to start:\n" + traceback.format_exc()))
         sys.exit(1)
     engine.stream_outputs = True
+    engine.ship_token_deltas()  # the front ends detokenize
     core = EngineCore(engine, address, lifelines, parent)
     ready.send(("ready", EngineInfo.of(engine), engine.tokenizer))
     ready.close()
@@ -334,6 +319,9 @@ class EngineCore:
         elif kind == "abort":
             self._send_outputs(self.engine.abort_request(
                 [r for r in message[1] if self.owner.get(r) == identity]))
+        elif kind == "stop":  # its final output goes at the next step (the front end has
+            self.engine.stop_sequences(  # sent its own already, and ignores this one)
+                [s for s in message[1] if self.owner.get(s[0]) == identity])
         elif kind == "call":
             _, call_id, name, args = message
             try:
@@ -361,26 +349,29 @@ class EngineCore:
                    "front end %s is gone: aborting its %d requests", identity.decode(),
                    len(mine))
         for output in self.engine.abort_request(mine):
-            self._forget(output.request_id)
+            self._forget(output_request_id(output))
 
     # ------------------------------------------------------------------ output
     def _send_outputs(self, outputs: list) -> None:
         batches: dict[bytes, list] = {}
         for output in outputs:
-            request_id = output.request_id
+            request_id = output_request_id(output)
             identity = self.owner.get(request_id)
             if identity is None:
                 continue
-            if isinstance(output, RequestOutput):
+            if type(output) is tuple:  # a token delta (request_outputs.core_output)
                 if request_id in self.prompt_sent:
-                    output.prompt, output.prompt_token_ids = None, None
+                    output = (request_id, None, None, *output[3:])
                 else:
                     self.prompt_sent.add(request_id)
+                finished = output[3]
+            else:
+                finished = output.finished
             batches.setdefault(identity, []).append(output)
-            if output.finished:
+            if finished:
                 self._forget(request_id)
         for identity, batch in batches.items():
-            self._send(identity, ("outputs", encode_outputs(batch)))
+            self._send(identity, ("outputs", batch))
 
     def _report_load(self) -> None:
         now = time.monotonic()

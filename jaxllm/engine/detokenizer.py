@@ -97,6 +97,16 @@ class IncrementalDetokenizer:
         text = self._decode_new(new_ids, final=False) if new_ids else ""
         return self._release(text, final=False)
 
+    def add_token(self, token: int, stop_terminated: bool, last: bool) -> str | None:
+        """One sampled id, as the output paths feed them (one at a time, so that a stop
+        string is found at the token that completes it); ``last``: the sequence has finished
+        with it, so text held back is released unless a stop string ended the output.
+        Returns the stop string found, if any."""
+        _, stop = self.update((token,), stop_terminated=stop_terminated)
+        if stop is None and last:
+            self.flush()
+        return stop
+
     def flush(self) -> str:
         """Releases everything held back: an unfinished UTF-8 character and text that could
         have been the start of a stop string. A stop string found here still ends the text

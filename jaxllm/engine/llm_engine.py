@@ -41,6 +41,7 @@ from jaxllm.engine.model_runner import (
 from jaxllm.engine.multihost import NodeGroup
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
+from jaxllm.engine.request_outputs import StopDecision, core_output, needs_every_step
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.engine.stats import EngineStats
@@ -162,6 +163,7 @@ class LLMEngine:
         self._num_penalty_requests = 0
         # False: step() returns only finished requests (offline use; saves host time).
         self.stream_outputs = True
+        self.token_deltas = False  # True: outputs are tokens for front ends to detokenize
         self.stats = EngineStats()
         self.warm_up_seconds = 0.0
         if not config.enforce_eager:
@@ -239,6 +241,24 @@ class LLMEngine:
             if group is not None:
                 outputs.append(self._finish_group(group))
         return outputs
+
+    def ship_token_deltas(self) -> None:
+        """From now on (call it before any request) ``step`` and ``abort_request`` return
+        each request's new token ids as :func:`~jaxllm.engine.request_outputs.core_output`
+        tuples, and this engine no longer detokenizes: the front ends do, and tell it
+        (``stop_sequences``) which samples a stop string ended. The engine-core process."""
+        self.token_deltas = True
+        self.output_processor.tokenizer = None  # no detokenizer is attached from now on
+
+    def stop_sequences(self, stops: SequenceABC[StopDecision]) -> None:
+        """Finishes the samples in which a front end found a stop string (finish reason
+        "stop": it frees their blocks; their final output is built at the next step)."""
+        for request_id, index, stop_str in stops:
+            group = self._groups.get(request_id)
+            for seq in group.seqs if group is not None else ():
+                if seq.index == index and not seq.status.is_finished:
+                    seq.stop_reason = stop_str
+                    self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self.output_processor.has_pending
@@ -409,9 +429,13 @@ class LLMEngine:
 
     def _build_outputs(self) -> list[RequestOutput]:
         touched = self.output_processor.detokenize()
-        outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
-                   for g in touched if self.stream_outputs and not g.is_finished
-                   and g.params.output_kind is not RequestOutputKind.FINAL_ONLY]
+        if self.token_deltas:  # a front end detokenizes: stop strings need every step's tokens
+            outputs = [core_output(g, self._prompts.get(g.request_id)) for g in touched
+                       if not g.is_finished and needs_every_step(g, self.stream_outputs)]
+        else:
+            outputs = [RequestOutput.from_group(g, self._prompts.get(g.request_id))
+                       for g in touched if self.stream_outputs and not g.is_finished
+                       and g.params.output_kind is not RequestOutputKind.FINAL_ONLY]
         outputs += [self._finish_group(g) for g in self.scheduler.pop_finished()]
         return outputs
 
@@ -429,4 +453,6 @@ class LLMEngine:
         prompt = self._prompts.pop(group.request_id, None)
         if self.embeddings.is_embedding(group.request_id):
             return self.embeddings.output(group, prompt)
+        if self.token_deltas:
+            return core_output(group, prompt)
         return RequestOutput.from_group(group, prompt)

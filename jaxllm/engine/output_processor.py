@@ -71,6 +71,7 @@ class OutputProcessor:
             status = SequenceStatus.FINISHED_LENGTH
         # A stop token's text is not output (unless asked for); a grammar's last token is.
         stopped_by_token = status == SequenceStatus.FINISHED_STOPPED
+        seq.stopped_by_token = stopped_by_token  # for a front end's detokenizer
         if grammar_done and status is None:
             status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete
         if status is not None:
@@ -91,11 +92,11 @@ class OutputProcessor:
                 if self.tokenizer is None:
                     continue
                 self.attach_detokenizer(seq, group.params)  # a child forked this step
-            detok = seq.detokenizer
-            _, stop_str = detok.update([token], stop_terminated=stopped_by_token)
-            if stop_str is not None and not seq.status.is_finished:
+            # A finished sequence's held-back text is released (flush), unless a stop
+            # string ended it.
+            finished = seq.status.is_finished
+            stop_str = seq.detokenizer.add_token(token, stopped_by_token, finished)
+            if stop_str is not None and not finished:
                 seq.stop_reason = stop_str
                 self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            if seq.status.is_finished and detok.stop_str is None:
-                detok.flush()  # release text held back for a possible stop string
         return list(touched.values())

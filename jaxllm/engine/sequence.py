@@ -50,6 +50,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
+        self.stopped_by_token = False  # its last token is the EOS or stop token id that ended it
         self.logprobs: list[dict[int, float]] = []  # per output token, when requested
         self.cumulative_logprob = 0.0
         self.detokenizer: Any = None  # set by the engine when the model has a tokenizer
