@@ -200,7 +200,15 @@ def server_routes() -> set[str]:
     return paths
 
 
-def parse_serve(args: list[str]):
+def lws_environ(where: str) -> dict[str, str]:
+    """What LeaderWorkerSet injects into a pod of its group of 2 (none elsewhere)."""
+    if not where.startswith("LWS"):
+        return {}
+    return {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1" if "worker" in where else "0",
+            "LWS_LEADER_ADDRESS": "jaxllm-multihost-0.jaxllm-multihost.default"}
+
+
+def parse_serve(args: list[str], environ: dict | None = None):
     """The real `jaxllm serve` parser and config builder over these arguments."""
     from jaxllm.serve.args import build_parser, configs_from_args
     parser = build_parser()
@@ -208,7 +216,7 @@ def parse_serve(args: list[str]):
         parsed = parser.parse_args(args)
     except SystemExit:
         pytest.fail(f"`jaxllm serve` refuses {args}")
-    engine, server = configs_from_args(parsed, environ={})
+    engine, server = configs_from_args(parsed, environ=environ or {})
     return parsed, engine, server
 
 
@@ -234,7 +242,9 @@ SERVE_COMMANDS = all_serve_commands()
 
 @pytest.mark.parametrize("where,args", SERVE_COMMANDS, ids=[w for w, _ in SERVE_COMMANDS])
 def test_serve_flags_accepted(where, args):
-    _, _, server = parse_serve(args)
+    _, _, server = parse_serve(args, lws_environ(where))
+    if server.headless:  # a multi-host worker: no server
+        return
     assert server.host == "0.0.0.0", f"{where}: must listen on all interfaces in a container"
     assert server.port == 8000
 
@@ -326,7 +336,8 @@ def test_grace_period_covers_the_drain(where):
     spec = dict(pod_specs())[where]
     entrypoint = json.loads(one(final_stage(DOCKERFILES["cuda"]), "ENTRYPOINT"))
     (container,) = spec["containers"]
-    _, _, server = parse_serve(serve_args(entrypoint + container.get("args", [])))
+    _, _, server = parse_serve(serve_args(entrypoint + container.get("args", [])),
+                               lws_environ(where))
     needed = prestop_seconds(container) + server.shutdown_timeout + 5  # 5 s to exit
     assert spec["terminationGracePeriodSeconds"] >= needed, (
         f"{where}: grace {spec['terminationGracePeriodSeconds']} s < preStop + "
@@ -353,7 +364,9 @@ def test_hpa():
 
 def test_leaderworkerset():
     """The CRD's structure (no schema to validate it against), and the multi-host interface:
-    JAX's coordinator address, process count and id from what LWS injects."""
+    with what LWS injects, the leader is node 0 of 2 serving HTTP, the worker node 1 running
+    headless, both over all the group's GPUs, and the leader exposes the coordinator's port
+    and the step channel's."""
     path = K8S / "leaderworkerset.yaml"
     lws = load(path)
     assert (lws["apiVersion"], lws["kind"]) in CRDS
@@ -361,21 +374,25 @@ def test_leaderworkerset():
     template = lws["spec"]["leaderWorkerTemplate"]
     assert template["size"] == 2
     header = path.read_text().split("apiVersion:")[0]
-    assert "NOT WORKING YET" in header and "multi-host" in header
-    expected = {"JAX_COORDINATOR_ADDRESS": "$(LWS_LEADER_ADDRESS):",
-                "JAX_NUM_PROCESSES": "$(LWS_GROUP_SIZE)",
-                "JAX_PROCESS_ID": "$(LWS_WORKER_INDEX)"}
-    for role in ("leaderTemplate", "workerTemplate"):
+    assert "NOT WORKING YET" not in header and "LWS_LEADER_ADDRESS" in header
+    entrypoint = json.loads(one(final_stage(DOCKERFILES["cuda"]), "ENTRYPOINT"))
+    for where, role in (("LWS leader", "leaderTemplate"), ("LWS worker", "workerTemplate")):
         (container,) = template[role]["spec"]["containers"]
-        assert container["image"] and container["resources"]["limits"]["nvidia.com/gpu"] >= 1
-        env = {e["name"]: e["value"] for e in container["env"]}
-        for name, value in expected.items():
-            assert env[name].startswith(value), f"{role}: {name}={env[name]!r}"
-        port = env["JAX_COORDINATOR_ADDRESS"].rsplit(":", 1)[1]
-        assert port.isdigit()
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert container["image"] and gpus >= 1
+        _, engine, server = parse_serve(serve_args(entrypoint + container["args"]),
+                                        lws_environ(where))
+        assert (engine.nnodes, engine.node_rank) == (2, int(role == "workerTemplate"))
+        assert server.headless == (role == "workerTemplate"), where
+        assert engine.master_addr.startswith(lws["metadata"]["name"] + "-0.")
+        assert engine.tensor_parallel_size * engine.pipeline_parallel_size == \
+            template["size"] * gpus, f"{where}: tp x pp must be all the group's GPUs"
+        if role == "leaderTemplate":
+            master_port = engine.master_port
     (leader,) = template["leaderTemplate"]["spec"]["containers"]
-    coordinator = {p["containerPort"] for p in leader["ports"]}
-    assert int(port) in coordinator, "the leader must expose the coordinator port"
+    exposed = {p["containerPort"] for p in leader["ports"]}
+    assert {master_port, master_port + 1} <= exposed, \
+        "the leader must expose the coordinator's port and the step channel's (the next)"
     routes = server_routes()
     for kind, probe in probes(leader).items():
         assert probe["httpGet"]["path"] in routes, kind

@@ -149,7 +149,7 @@ def tokens(node: Node, timeout: float) -> list:
     return json.loads(node.wait_for("TOKENS ", timeout).split(" ", 1)[1])
 
 
-def test_two_nodes_give_one_process_tokens_and_a_dead_worker_ends_the_leader():
+def test_two_nodes_give_one_process_tokens_and_a_dead_leader_ends_its_worker():
     port = free_port_pair()
     with nodes(Node(node_argv(0, 1, port), devices=2),  # the reference: TP 2 in one process
                Node(node_argv(0, 2, port, "--keep-going")),
@@ -157,12 +157,12 @@ def test_two_nodes_give_one_process_tokens_and_a_dead_worker_ends_the_leader():
         expected = tokens(reference, 180)
         assert tokens(leader, 180) == expected
         leader.wait_for("BUSY", 30)
-        time.sleep(0.5)  # mid-generation: the leader waits on collectives with the worker
-        worker.kill()
+        time.sleep(0.5)  # mid-generation: the worker is in the step's collectives
+        leader.kill()
         start = time.monotonic()
-        assert leader.wait(BOUND) == 1, leader.output[-3000:]
+        assert worker.wait(BOUND) == 1, worker.output[-3000:]
         assert time.monotonic() - start < BOUND
-        assert "worker node 1 is gone" in leader.output
+        assert "the leader (node 0) is gone" in worker.output
         assert reference.wait(30) == 0
 
 
@@ -178,30 +178,31 @@ def http_status(url: str) -> int | None:
 
 def serve_argv(http_port: int, master_port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "jaxllm.serve", TINY, "--port", str(http_port),
-            "--host", "127.0.0.1", "--master-port", str(master_port), "-tp", "2",
+            "--host", "127.0.0.1", "--master-port", str(master_port), "-pp", "2",
             "--enforce-eager", "--max-model-len", "64", "--max-num-seqs", "4",
             "--num-gpu-blocks-override", "32", *extra]
 
 
-def test_serve_on_two_nodes_then_the_leader_dies_and_its_worker_exits_1():
-    """``jaxllm serve`` as node 0 and ``jaxllm serve --headless`` as node 1 (LWS's
-    environment gives the worker its rank); the leader's whole process group is killed:
-    the worker exits 1 within seconds."""
+def test_serve_on_two_nodes_then_a_dead_worker_ends_the_server():
+    """``jaxllm serve`` as node 0 and ``jaxllm serve --headless`` as node 1 (LWS's environment
+    gives the worker its rank), pipeline parallel across the two; the worker is killed: the
+    engine core exits, the server reports the engine dead and exits 1 within seconds."""
     port, http = free_port_pair(), free_port_pair()
     lws = {"LWS_GROUP_SIZE": "2", "LWS_WORKER_INDEX": "1", "LWS_LEADER_ADDRESS": "127.0.0.1"}
     with nodes(Node(serve_argv(http, port, "--nnodes", "2", "--node-rank", "0")),
                Node(serve_argv(http, port, "--headless"), **lws)) as (leader, worker):
+        health = f"http://127.0.0.1:{http}/health"
         deadline = time.monotonic() + 120
-        while http_status(f"http://127.0.0.1:{http}/health") != 200:
+        while http_status(health) != 200:
             assert time.monotonic() < deadline and leader.process.poll() is None, \
                 leader.output[-3000:] + worker.output[-3000:]
             time.sleep(0.2)
         worker.wait_for("replaying the leader's steps", 30)
-        leader.kill()
+        worker.kill()
         start = time.monotonic()
-        assert worker.wait(BOUND) == 1, worker.output[-3000:]
+        assert leader.wait(BOUND) == 1, leader.output[-3000:]
         assert time.monotonic() - start < BOUND
-        assert "the leader (node 0) is gone" in worker.output
+        assert "worker node 1 is gone" in leader.output
 
 
 def test_a_worker_without_a_leader_fails_in_time_with_a_clear_message():

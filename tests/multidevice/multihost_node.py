@@ -24,7 +24,8 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 2
 
 
 def engine_args(args: argparse.Namespace) -> dict:
-    return dict(model=TINY, tensor_parallel_size=args.tp, nnodes=args.nnodes,
+    return dict(model=TINY, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                nnodes=args.nnodes,
                 node_rank=args.node_rank, master_port=args.port, compilation_cache_dir=None,
                 max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
                 num_gpu_blocks_override=40, block_size=8,
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--node-rank", type=int, default=0)
     parser.add_argument("--port", type=int, default=29501)
     parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--keep-going", action="store_true")
     args = parser.parse_args()
     import logging
