@@ -21,6 +21,7 @@ import numpy as np
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.compile_cache import use_compilation_cache
+from jaxllm.engine.executable_cache import ExecutableCache
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import (
     EngineConfig,
@@ -139,7 +140,9 @@ class LLMEngine:
                 num_cpu_blocks=plan.num_cpu_blocks, max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=max_batched, max_model_len=max_model_len,
                 attention_backend=backend, bucket_table_width=backend == "reference",
-                kv_dtype=kv_dtype)
+                kv_dtype=kv_dtype, executable_cache=ExecutableCache.open(
+                    config.compilation_cache_dir) if config.compilation_cache_dir
+                and not config.enforce_eager else None)
         allocated = time.perf_counter()
         self.block_manager = BlockManager(
             plan.num_gpu_blocks, config.block_size, num_cpu_blocks=plan.num_cpu_blocks,
@@ -174,10 +177,15 @@ class LLMEngine:
         # Where start-up time goes (issue 16's warm restart), for the log and the benchmarks.
         self.startup_seconds = {"weights": loaded - start, "kv_cache": allocated - loaded,
                                 "warm_up": self.warm_up_seconds}
+        warm = self.runner.warm_up_report or {"programs": 0, "cached": 0, "load_seconds": 0.0,
+                                              "compile_seconds": 0.0}
         logger.info("engine ready in %.1f s: weights %.1f s, KV cache and plan %.1f s, warm-up "
-                    "(%d step buckets: compiled or read from the compile cache) %.1f s",
+                    "%.1f s (%d step buckets, %d programs: %d loaded from the executable cache "
+                    "in %.1f s, %d compiled or read from the compile cache in %.1f s)",
                     time.perf_counter() - start, loaded - start, allocated - loaded,
-                    len(self.runner.buckets.all_shapes()), self.warm_up_seconds)
+                    self.warm_up_seconds, len(self.runner.buckets.all_shapes()),
+                    warm["programs"], warm["cached"], warm["load_seconds"],
+                    warm["programs"] - warm["cached"], warm["compile_seconds"])
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None = None,

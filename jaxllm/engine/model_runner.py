@@ -117,7 +117,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, *, block_size: int, num_gpu_blocks: int,
                  num_cpu_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, attention_backend: str = "auto",
-                 bucket_table_width: bool = True, kv_dtype=None):
+                 bucket_table_width: bool = True, kv_dtype=None, executable_cache=None):
         self.model = model
         self.config = model.config
         self.block_size = block_size
@@ -147,12 +147,18 @@ class ModelRunner:
         self.max_rows = self.buckets.batch_sizes[-1]
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        self._programs = step_programs(ProgramKey(cfg, model.dtype, attention_backend, mesh,
-                                                  self.max_rows))
+        program_key = ProgramKey(cfg, model.dtype, attention_backend, mesh, self.max_rows)
+        self._programs = step_programs(program_key)
+        # Warm restarts: compiled programs read from disk without tracing (ExecutableCache);
+        # the context is what shapes them besides their arguments.
+        self.executable_cache = executable_cache
+        self._program_context = (program_key, model.unroll_layers, repr(model.quantization))
         self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._forward_exe: dict[tuple[StepShape, bool], tuple] = {}  # -> (exe, shardings)
         self._sample_exe: dict[tuple, object] = {}
         self.num_compilations = 0  # executables built (warm-up included)
+        # warm_up's programs, those found in the executable cache, and each phase's seconds.
+        self.warm_up_report: dict | None = None
         # Largest temporary device memory of any compiled forward or sampler (XLA's plan): the
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
@@ -179,6 +185,11 @@ class ModelRunner:
                  for rows in sorted({s.num_seqs for s in self.buckets.all_shapes()})
                  for variant in WARM_SAMPLER_VARIANTS + (
                      WARM_BITMASK_VARIANTS if self.model.tokenizer is not None else ())]
+        # Programs in the executable cache are loaded first, then the rest compiled: the
+        # start-up log gives each phase's time (warm_up_report).
+        cached = [] if self.executable_cache is None else [
+            job for job in jobs if self.executable_cache.contains(self._cache_key(*job))]
+        jobs = cached + [job for job in jobs if job not in cached]
         # The pool is released while compiling: XLA's GEMM autotuner allocates operand-sized
         # scratch buffers (a stacked weight is GBs), one set per compiling thread.
         jax.tree.map(lambda x: x.delete(), self.kv_pool)
@@ -186,8 +197,14 @@ class ModelRunner:
         with ThreadPoolExecutor(workers) as pool, tqdm(
                 total=len(jobs), desc="Compiling step buckets", disable=not progress,
                 unit="graph") as bar:
-            for _ in pool.map(lambda job: job[0](job[1]), jobs):
+            loaded_at = start
+            for done, _ in enumerate(pool.map(lambda job: job[0](job[1]), jobs), 1):
                 bar.update(1)
+                if done == len(cached):
+                    loaded_at = time.perf_counter()
+        self.warm_up_report = {"programs": len(jobs), "cached": len(cached),
+                               "load_seconds": loaded_at - start,
+                               "compile_seconds": time.perf_counter() - loaded_at}
         self.kv_pool = self._new_pool()
         for size in self.buckets.batch_sizes:
             ids = np.zeros((size,), np.int32)
@@ -206,10 +223,7 @@ class ModelRunner:
         inputs live (the shardings ``prepare_forward`` transfers them with)."""
         entry = self._forward_exe.get((shape, pooling))
         if entry is None:
-            batch = self._empty_batch(shape)
-            exe = self._programs.forward.lower(self.model.params, self._pool_spec, batch,
-                                      self._no_prev_tokens, batch.input_ids,
-                                      pooling=pooling).compile()
+            exe = self._compile(*self._forward_inputs(shape, pooling))
             args = exe.input_shardings[0]  # (params, pool, batch, prev_tokens, prev_rows)
             entry = self._forward_exe[shape, pooling] = (exe, (args[2], args[4]))
             self._count_compilation(exe)
@@ -220,20 +234,39 @@ class ModelRunner:
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
         exe = self._sample_exe.get(key)
         if exe is None:
+            exe = self._sample_exe[key] = self._compile(*self._sampler_inputs(key))
             rows, width, variant = key
-            vocab = self.config.vocab_size
-            logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32,
-                                          sharding=self._logits_sharding)
-            bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if variant.use_bitmask \
-                else None
-            md = build_sampling_metadata([], rows, width, BANNED_WIDTH, bitmask)
-            exe = self._programs.sample.lower(logits, md, **variant._asdict()).compile()
-            self._sample_exe[key] = exe
             self._count_compilation(exe)
             if self.num_steps:
                 logger.info("compiled sampler variant rows=%d penalty_width=%d %s", rows,
                             width, variant)
         return exe
+
+    def _forward_inputs(self, shape: StepShape, pooling: bool = False):
+        batch = self._empty_batch(shape)
+        return ("forward", self._programs.forward, (self.model.params, self._pool_spec, batch,
+                self._no_prev_tokens, batch.input_ids), {"pooling": pooling})
+
+    def _sampler_inputs(self, key: tuple[int, int, SampleVariant]):
+        rows, width, variant = key
+        vocab = self.config.vocab_size
+        logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32,
+                                      sharding=self._logits_sharding)
+        bitmask = np.zeros((rows, -(-vocab // 32)), np.int32) if variant.use_bitmask else None
+        md = build_sampling_metadata([], rows, width, BANNED_WIDTH, bitmask)
+        return "sample", self._programs.sample, (logits, md), variant._asdict()
+
+    def _compile(self, name: str, jitted, args: tuple, static: dict):
+        """``jitted`` lowered and compiled for ``args``, or read from the executable cache."""
+        if self.executable_cache is None:
+            return jitted.lower(*args, **static).compile()
+        return self.executable_cache.get_or_compile(name, jitted, args, static,
+                                                    self._program_context)
+
+    def _cache_key(self, build, arg) -> str:
+        name, _, args, static = (self._forward_inputs(arg) if build == self._forward_executable
+                                 else self._sampler_inputs(arg))
+        return self.executable_cache.key(name, args, static, self._program_context)
 
     def _empty_batch(self, shape: StepShape) -> BatchMetadata:
         return pack_batch([], self.block_size, num_tokens=shape.num_tokens,
