@@ -19,11 +19,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.linear import FP8_DTYPE, PER_WORD, Fp8Weight, Int4Weight
 from jaxllm.model_config import ModelConfig
+from jaxllm.parallel.mesh import PP_AXIS
 from jaxllm.parallel.sharding import path_names
 from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 from jaxllm.quantization.int4_checkpoint import (
@@ -302,8 +303,28 @@ def _stacked(*layers: Leaf) -> StackedLeaf:
     return StackedLeaf((len(layers), *layers[0].shape), read, layers)
 
 
+def _put_staged(leaf: StackedLeaf, sharding: NamedSharding) -> jax.Array:
+    """A stacked leaf split over pipeline stages: each stage's layers stacked on its own
+    devices alone, one layer at a time (stacking on the whole mesh would hold every layer on
+    every stage's devices, a whole 70B leaf per device), then joined as the stages' shards."""
+    mesh, inner_spec = sharding.mesh, tuple(sharding.spec)[1:]
+    stages = mesh.shape[PP_AXIS]
+    per_stage = len(leaf.layers) // stages
+    axis = mesh.axis_names.index(PP_AXIS)
+    shards = []
+    for stage in range(stages):
+        devices = np.take(mesh.devices, [stage], axis=axis)  # the stage's slice, pp size 1
+        sub = Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
+        layers = leaf.layers[stage * per_stage:(stage + 1) * per_stage]
+        stacked = _put(_stacked(*layers), NamedSharding(sub, PartitionSpec(None, *inner_spec)))
+        shards += [shard.data for shard in stacked.addressable_shards]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, shards)
+
+
 def _put(leaf: Leaf, sharding: NamedSharding | None) -> jax.Array:
     if isinstance(leaf, StackedLeaf):
+        if sharding is not None and tuple(sharding.spec)[:1] == (PP_AXIS,):
+            return _put_staged(leaf, sharding)
         inner = None if sharding is None else NamedSharding(
             sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
         parts = [_put(layer, inner) for layer in leaf.layers]

@@ -2,14 +2,15 @@
 tensor-parallel cases' process, with four host devices): PP = 2, and PP = 2 x TP = 2, give the
 greedy tokens of one device through the engine (chunked prefill, four requests running, prefix
 caching) and ``LLM``; the layers and the KV pool are split by stage; more micro-batches than
-stages (a sequence cut between them) give one device's logits; the benchmark commands take
-``-pp``."""
+stages (a sequence cut between them) give one device's logits; a checkpoint loads each stage's
+layers onto its own devices; the benchmark commands take ``-pp``."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +20,14 @@ from jaxllm.benchmarks import jax_backends, throughput
 from jaxllm.benchmarks.__main__ import build_parser
 from jaxllm.benchmarks.__main__ import main as bench_main
 from test_engine import BLOCK, make_engine, run_all
+from test_loading import TINY_DIR
 from tiny_models import TINY_CONFIGS, random_params
 
 import jaxllm
 from jaxllm import LLM, SamplingParams, SeqChunk, make_forward, pack_batch
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
+from jaxllm.loading.assemble import replicate_kv_heads
 from jaxllm.parallel import pipeline
 
 assert jax.device_count() == 4, "run through tests/test_tensor_parallel.py (4 host devices)"
@@ -108,6 +111,22 @@ def test_more_micro_batches_than_stages_give_one_devices_logits(monkeypatch):
         pool = new_kv_pool(m.config, 8, 4, jnp.float32, unroll_layers=False, mesh=m.mesh)
         logits[m.mesh is None] = np.asarray(forward(m.params, pool, prefill)[0])
     np.testing.assert_allclose(logits[False], logits[True], atol=2e-5, rtol=2e-5)
+
+
+def test_a_checkpoint_loads_each_stage_onto_its_own_devices():
+    """Each stage's devices read and stack only their layers (with TP, their block of them);
+    the values are one device's."""
+    path = os.path.join(TINY_DIR, "qwen2_bias")
+    one = jaxllm.load_model(path, dtype="float32")
+    model = jaxllm.load_model(path, dtype="float32", tensor_parallel_size=2,
+                              pipeline_parallel_size=2)
+    expected = replicate_kv_heads(one.params, one.config, model.config)
+    for got, want in zip(jax.tree.leaves(model.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    stage_of = {d: i for i, row in enumerate(model.mesh.devices[0]) for d in row}
+    qkv = model.params["layers"]["attn"]["qkv_proj"]["kernel"]  # [2 layers, H, 2 tp blocks]
+    assert {(stage_of[s.device], s.index[0].start) for s in qkv.addressable_shards} == {
+        (0, 0), (1, 1)}
 
 
 def test_sizes_that_do_not_fit_are_refused_naming_the_flags():
