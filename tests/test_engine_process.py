@@ -19,6 +19,7 @@ import pytest
 from conftest import SMOLLM2_ENGINE_ARGS, assert_engine_idle
 from jaxllm.serve.args import ServerConfig
 from jaxllm.serve.server import BackgroundServer
+from prometheus_client.parser import text_string_to_metric_families
 from test_server_shutdown import ROOT, free_port, healthy
 
 from jaxllm import EngineConfig, SamplingParams
@@ -119,7 +120,8 @@ def test_stop_strings_end_requests_in_the_front_end_and_in_the_core(core_server,
     stops = [w[len(w) // 2] for w in words]  # a word from the middle of each greedy text
     include = [False, True, False]  # include_stop_str_in_output
     params = [SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[s],
-                             include_stop_str_in_output=i) for s, i in zip(stops, include)]
+                             include_stop_str_in_output=i)
+              for s, i in zip(stops, include, strict=True)]
     expected = [o.outputs[0] for o in smollm2_llm.generate(PROMPTS, params)]
     assert {o.finish_reason for o in expected} == {"stop"}
     while smollm2_llm.engine.has_unfinished_requests():  # a step still in flight
@@ -127,17 +129,26 @@ def test_stop_strings_end_requests_in_the_front_end_and_in_the_core(core_server,
     assert_engine_idle(smollm2_llm.engine)
     before = wait_idle(server).generation_tokens
 
+    async def finished_as_stop(session) -> float:  # the front end's Prometheus counter
+        async with session.get("/metrics") as r:
+            families = text_string_to_metric_families(await r.text())
+            return sum(s.value for f in families for s in f.samples
+                       if s.name == "jaxllm:request_success_total"
+                       and s.labels["finished_reason"] == "stop")
+
     async def scenario():
         async with aiohttp.ClientSession(base_url=server.url) as session:
+            counted = await finished_as_stop(session)
             bodies = [{"prompt": p, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
                        "stop": [s], "include_stop_str_in_output": i}
-                      for p, s, i in zip(PROMPTS, stops, include)]
+                      for p, s, i in zip(PROMPTS, stops, include, strict=True)]
             responses = await asyncio.gather(*(session.post(C, json=b) for b in bodies))
             whole = [await r.json() for r in responses]
             streamed = await asyncio.gather(*(stream_choice(session, b) for b in bodies))
-            return whole, streamed
+            return whole, streamed, await finished_as_stop(session) - counted
 
-    whole, streamed = asyncio.run(asyncio.wait_for(scenario(), 120))
+    whole, streamed, counted = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert counted == 2 * len(PROMPTS)
     for out, body, got in zip(expected, whole, streamed, strict=True):
         want = {"text": out.text, "finish_reason": "stop", "stop_reason": out.stop_reason,
                 "completion_tokens": len(out.token_ids)}

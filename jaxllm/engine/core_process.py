@@ -59,9 +59,7 @@ import zmq
 
 from jaxllm.engine.engine_client import EngineInfo
 from jaxllm.engine.engine_config import EngineConfig
-from jaxllm.engine.outputs import CompletionOutput, RequestOutput
 from jaxllm.engine.replica_devices import replica_device_env
-from jaxllm.engine.sequence import RequestMetrics
 
 logger = logging.getLogger(__name__)
 PICKLE = pickle.HIGHEST_PROTOCOL
