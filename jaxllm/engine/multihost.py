@@ -24,10 +24,12 @@ manager, detokenizer and HTTP server run on the leader only.
 
 The side channel: one TCP connection per worker, each message a length-prefixed pickle
 (protocol 5). Chosen over ``jax.experimental.multihost_utils.broadcast_one_to_all``, which is
-itself a device collective: a program compiled per payload shape, a host-device round trip per
-step on every node, and on a dead peer a hang inside XLA. A pickle over a socket costs
-microseconds per step and its connection doubles as the lifeline. Measured per step on CPU
-by ``benchmarks/multihost_step.py`` (``benchmarks/RESULTS.md``).
+itself a device collective on every node's step path (a program per payload shape, a
+host-device round trip, and on a dead peer a hang inside XLA), and whose connection doubles
+as the lifeline. NOTE: measured on CPU (``benchmarks/multihost_step.py``, RESULTS.md "Issue 18",
+a loaded 2-core host): a decode step's two messages (4-93 KB at 8-256 rows) cost the leader
+0.17-0.22 ms (pickling most of it) and a worker 0.05-0.07 ms to unpickle, against 61-87 ms
+for ``broadcast_one_to_all`` of the same arrays between two gloo CPU processes.
 
 Liveness: the leader reads each worker's channel on a watchdog thread (workers never write
 after their hello), and a worker reads the leader's on its receiver thread. A process's death
@@ -65,6 +67,7 @@ EXIT_PEER_LOST = 1
 _HEADER = struct.Struct("!Q")
 _KEEPALIVE = {"TCP_KEEPIDLE": 5, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}  # seconds, probes
 _USER_TIMEOUT_MS = 15_000  # unacknowledged data for this long: the peer's host is gone
+STOP_GRACE = 30  # seconds a worker may take to exit after the leader's stop
 
 
 def frame(message: tuple) -> bytes:
@@ -256,14 +259,20 @@ def _connect(config: EngineConfig, deadline: float) -> queue.Queue:
     inbox: queue.Queue = queue.Queue()
 
     def receive() -> None:
+        stopped = False
         try:
-            while True:
+            while True:  # after a stop, until the leader's process closes the connection
                 message = read_message(sock)
+                stopped = stopped or message[0] == "stop"
                 inbox.put(message)
-                if message[0] == "stop":
-                    return
         except (OSError, EOFError) as e:
             reason = str(e)
+        if stopped:
+            # The main thread exits 0 once it reads the stop; one still here after
+            # STOP_GRACE is stuck (e.g. in a collective of an engine start the leader gave up).
+            time.sleep(STOP_GRACE)
+            exit_now(EXIT_PEER_LOST, "still running %d s after the leader stopped; exiting",
+                     STOP_GRACE)
         exit_now(EXIT_PEER_LOST, "the leader (node 0) is gone: its step channel closed (%s); "
                  "exiting", reason)
 
