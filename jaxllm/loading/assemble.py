@@ -314,6 +314,8 @@ def _put_staged(leaf: StackedLeaf, sharding: NamedSharding) -> jax.Array:
     shards = []
     for stage in range(stages):
         devices = np.take(mesh.devices, [stage], axis=axis)  # the stage's slice, pp size 1
+        if all(d.process_index != jax.process_index() for d in devices.flat):
+            continue  # a stage on another host (multi-process): that process makes it
         sub = Mesh(devices, mesh.axis_names, axis_types=mesh.axis_types)
         layers = leaf.layers[stage * per_stage:(stage + 1) * per_stage]
         stacked = _put(_stacked(*layers), NamedSharding(sub, PartitionSpec(None, *inner_spec)))
