@@ -1,6 +1,6 @@
-"""Runs the tensor-parallel cases (``tests/multidevice/*_cases.py``) in one process of their
-own with four forced host devices, so every other test keeps one device (one process: each
-costs seconds of imports and its own compiles)."""
+"""Runs the tensor- and pipeline-parallel cases (``tests/multidevice/*_cases.py``) in one
+process of their own with four forced host devices, so every other test keeps one device (one
+process: each costs seconds of imports and its own compiles)."""
 
 from __future__ import annotations
 
