@@ -23,7 +23,7 @@ from tiny_models import TINY, random_params
 from jaxllm import ModelConfig, SamplingParams
 from jaxllm.loading import LoadedModel
 from jaxllm.sampling import build_sampling_metadata, sample, unpack_bitmask
-from jaxllm.sampling_params import StructuredOutputsParams
+from jaxllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
 
 # Nested objects, arrays, enums, bounded numbers, required fields; short enough to finish
@@ -125,6 +125,49 @@ def test_unconstrained_rows_get_the_tokens_they_get_alone(tiny_over_smollm2_voca
         [o.outputs[0].token_ids for o in alone]
     for out, schema in zip(mixed[3:], SCHEMAS, strict=True):
         jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_async_grammar_completion_matches_sync(tiny_over_smollm2_vocab):
+    """With async scheduling the grammars take a step's tokens on the bitmask thread and a
+    complete grammar stops its sequence only when the next sampler launches (the sequence may
+    be scheduled once more meanwhile): the outputs, streamed (DELTA) or whole, and the finish
+    reasons are those of sync scheduling, which stops it at once; no token past the
+    grammar's end is output."""
+    spec = lambda **kw: StructuredOutputsParams(**kw)
+    constraints = [spec(regex=r"\d{3}-\d{4}"), spec(choice=["red", "green", "blue"])]
+    requests = [(f"Q{i}:", SamplingParams(temperature=1.0, seed=i, n=2, max_tokens=24,
+                                          structured_outputs=c, output_kind=kind))
+                for i, c in enumerate(constraints) for kind in (RequestOutputKind.CUMULATIVE,
+                                                                  RequestOutputKind.DELTA)]
+    requests.append(("Free:", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)))
+    seen = {}
+    for async_scheduling in (True, False):
+        engine = make_engine(tiny_over_smollm2_vocab, async_scheduling=async_scheduling)
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, params)
+        streamed, final = {}, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    tokens, text = streamed.get((out.request_id, c.index), ([], ""))
+                    streamed[out.request_id, c.index] = tokens + c.token_ids, text + c.text
+                if out.finished:
+                    final[out.request_id] = [(c.token_ids, c.text, c.finish_reason,
+                                              c.stop_reason) for c in out.outputs]
+        for i in range(0, len(requests) - 1, 2):  # CUMULATIVE, then its DELTA twin
+            for index, (tokens, text, reason, _) in enumerate(final[str(i)]):
+                assert final[str(i + 1)][index][2] == reason
+                assert streamed[str(i + 1), index] == (tokens, text)
+        assert engine.structured.num_matchers == 0
+        assert_engine_idle(engine)
+        seen[async_scheduling] = final
+    assert seen[True] == seen[False]
+    stopped = [c for i in ("0", "2") for c in seen[True][i] if c[2] == "stop"]
+    assert len(stopped) >= 3  # most samples end with their grammar, not at max_tokens
+    eos = tiny_over_smollm2_vocab.config.eos_token_ids
+    for tokens, text, _, _ in stopped:  # stopped by the grammar, before any EOS
+        assert re.fullmatch(r"\d{3}-\d{4}|red|green|blue", text), text
+        assert not set(tokens) & set(eos), tokens
 
 
 def test_bad_constraints_are_refused_before_anything_is_queued(tiny_over_smollm2_vocab):

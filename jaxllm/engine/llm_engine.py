@@ -7,7 +7,6 @@ engine drives it from one thread.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -51,7 +50,7 @@ from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import SamplerInput, needs_penalties
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
-from jaxllm.structured import GrammarCompiler, StructuredOutputs
+from jaxllm.structured import GrammarCompiler, GrammarTask, StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class _LaunchedStep:
     positions: list[int] = dataclasses.field(default_factory=list)  # each row's token position
     pending: PendingStep | None = None  # None until the sampler is launched
     forward: LaunchedForward | None = None  # constrained: the forward awaiting its sampler
-    bitmask: concurrent.futures.Future | None = None  # constrained: the fill under way
+    grammar: GrammarTask | None = None  # constrained: its bitmask being filled
 
 
 class LLMEngine:
@@ -291,10 +290,12 @@ class LLMEngine:
         frequency penalties run synchronously (the sampler must see the previous token).
 
         A step with constrained rows (structured outputs) launches its forward at once; its
-        sampler needs the grammar bitmask of the tokens before it, which is filled on the
-        bitmask thread from when step k's tokens are recorded until after the next call has
-        scheduled and packed step k+2 (the fill overlaps that Python, and k+2's inputs are on
-        the device already); that call then launches the sampler, and step k+2 behind it.
+        sampler needs the grammar bitmask of the tokens before it. The moment step k's tokens
+        reach the host, one task on the bitmask thread feeds them to the grammars (outside
+        the GIL, while this thread fills them into their sequences; the sequences whose
+        grammar is complete stop before anything else), then fills step k+1's bitmask while
+        the next call schedules and packs step k+2; that call then launches k+1's sampler,
+        and step k+2 behind it.
         """
         stats = self.stats
         outputs: list[RequestOutput] = []
@@ -317,9 +318,9 @@ class LLMEngine:
         stats.prepare_seconds += time.perf_counter() - t1
         outputs += self._emit_outputs()  # the tokens recorded by the previous call
         if launched is not None:
-            self._record(launched)
-        if step is not None and step.constrained:
-            step.bitmask = self._start_bitmask(step)  # the grammars have every token before it
+            self._record(launched, step)
+        if step is not None and step.constrained and step.grammar is None and not sync:
+            step.grammar, _ = self._start_grammar(None, None, step)  # nothing recorded now
         if step is not None and sync:
             self._finish_launch(step)
             self._record(step)
@@ -350,24 +351,25 @@ class LLMEngine:
         """Launches a constrained step's sampler once its bitmask is filled."""
         if step.pending is not None:
             return
-        if step.bitmask is None:
-            step.bitmask = self._start_bitmask(step)
-        start = time.perf_counter()
-        bitmask = step.bitmask.result()
-        self.stats.bitmask_seconds += time.perf_counter() - start
+        task, step.grammar = step.grammar, None
+        if task is None:  # sync scheduling: nothing was started for it
+            task, _ = self._start_grammar(None, None, step)
+        bitmask = self.structured.result(task, self.stats)
         step.pending = self.runner.launch_sampler(step.forward, step.rows, bitmask)
-        step.forward = step.bitmask = None
+        step.forward = None
 
-    def _record(self, step: _LaunchedStep) -> None:
+    def _record(self, step: _LaunchedStep, following: _LaunchedStep | None = None) -> None:
         """Waits for a launched step and records its tokens (text waits for
-        ``_emit_outputs``)."""
+        ``_emit_outputs``). Their grammar work starts at once on the bitmask thread, and
+        then ``following``'s bitmask, which its sampler takes."""
         out, positions = step.out, step.positions
         t0 = time.perf_counter()
         result = step.pending.wait()
         t1 = time.perf_counter()
+        task, fed = self._start_grammar(step, result, following) if step.constrained or (
+            following is not None and following.constrained) else (None, [])
         embeddings = self.embeddings
         embeddings.record(out, result)
-        grammar_done = self._accept_grammar_tokens(step, result)
         num_embedded = 0
         for r, row in enumerate(out.sample_rows):
             seq = row.seq
@@ -378,26 +380,53 @@ class LLMEngine:
                 self.scheduler.finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
                 num_embedded += 1
             else:
-                self.output_processor.fill_token(seq, row.group, result, r, positions[r],
-                                                 r in grammar_done)
+                self.output_processor.fill_token(seq, row.group, result, r, positions[r])
+        if task is not None:
+            for i in self.structured.accepted(task, self.stats):  # their grammar is complete
+                r = fed[i]
+                self.output_processor.finish_grammar(out.sample_rows[r].seq, positions[r])
+            if following is not None and following.constrained:
+                following.grammar = task
+            else:
+                self.structured.result(task, self.stats)
         self.stats.account(out, num_embedded, self.block_manager, self.scheduler.running)
         stats = self.stats
         stats.num_steps += 1
         stats.device_wait_seconds += t1 - t0
         stats.update_seconds += time.perf_counter() - t1
 
-    def _start_bitmask(self, step: _LaunchedStep) -> concurrent.futures.Future:
-        """Starts filling the constrained sample rows' bitmask (i32[rows bucket, W])."""
-        rows = [r for r in step.constrained  # finished by the step just recorded: no mask
-                if not step.out.sample_rows[r].seq.status.is_finished]
-        samples = [step.out.sample_rows[r] for r in rows]
+    def _start_grammar(self, fed: _LaunchedStep | None, result: StepResult | None,
+                       following: _LaunchedStep | None) -> tuple[GrammarTask | None, list[int]]:
+        """Starts the grammar task: ``fed``'s tokens into its constrained rows' grammars, then
+        the bitmask of ``following``'s constrained rows; returns it and the rows fed (what
+        ``accepted`` indexes). Sequences that finished before (abort, stop string) are left
+        out; one that finishes with ``fed``'s token still gets a (wasted) mask row."""
+        rows = [] if fed is None else [r for r in fed.constrained
+                                       if not fed.out.sample_rows[r].seq.status.is_finished]
+        need_mask = following is not None and following.constrained and following.pending is None
+        if not rows and not need_mask:
+            return None, rows
+        tokens = result.sampled[rows].tolist() if rows else []
+        fill = [] if not need_mask else [r for r in following.constrained if not
+                                         following.out.sample_rows[r].seq.status.is_finished]
+        samples = [fed.out.sample_rows[r] for r in rows]
+        filled = [following.out.sample_rows[r] for r in fill]
 
+        # A matcher not made yet is made on the bitmask thread from the outputs before the
+        # row's token; the engine thread writes only at or after that position meanwhile.
         def missing(i: int):
+            seq = samples[i].seq
             return samples[i].group.params.structured_outputs, \
-                samples[i].seq.known_output_token_ids
+                seq.token_ids[seq.num_prompt_tokens:fed.positions[rows[i]]]
 
-        return self.structured.start_fill(rows, [s.seq.seq_id for s in samples], missing,
-                                          step.forward.shape.num_seqs, self.stats)
+        def fill_missing(j: int):
+            seq = filled[j].seq
+            return filled[j].group.params.structured_outputs, \
+                seq.token_ids[seq.num_prompt_tokens:following.positions[fill[j]]]
+
+        return self.structured.start_step(
+            [s.seq.seq_id for s in samples], tokens, missing, fill, [s.seq.seq_id for s in filled],
+            fill_missing, following.forward.shape.num_seqs if need_mask else 0, self.stats), rows
 
     def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
         params = group.params
@@ -409,24 +438,6 @@ class LLMEngine:
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
-
-    def _accept_grammar_tokens(self, step: _LaunchedStep, result: StepResult) -> set[int]:
-        """Feeds the constrained rows' tokens to their grammars; returns the rows whose
-        grammar is now complete."""
-        rows = [r for r in step.constrained
-                if not step.out.sample_rows[r].seq.status.is_finished]
-        if not rows:
-            return set()
-        samples = [step.out.sample_rows[r] for r in rows]
-
-        def missing(i: int):  # the outputs before this step's token
-            seq = samples[i].seq
-            return samples[i].group.params.structured_outputs, \
-                seq.token_ids[seq.num_prompt_tokens:step.positions[rows[i]]]
-
-        done = self.structured.accept([s.seq.seq_id for s in samples],
-                                      result.sampled[rows].tolist(), missing)
-        return {rows[i] for i in done}
 
     def _emit_outputs(self) -> list[RequestOutput]:
         """Detokenizes the recorded tokens, applies stop strings, builds outputs."""

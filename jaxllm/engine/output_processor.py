@@ -81,6 +81,17 @@ class OutputProcessor:
             self._finish_seq(seq, status)
         self._pending.append((seq, group, token, stopped_by_token))
 
+    def finish_grammar(self, seq: Sequence, pos: int) -> None:
+        """Stops a sequence whose grammar its token at ``pos`` completed, learned after
+        ``fill_token`` (the grammars take a step's tokens on their own thread): as
+        ``fill_token`` would have, unless something else stopped it first."""
+        if seq.status.is_finished:
+            return
+        del seq.token_ids[pos + 1:]  # placeholders of steps in flight
+        seq.pending.clear()
+        seq.stop_reason = None
+        self._finish_seq(seq, SequenceStatus.FINISHED_STOPPED)
+
     def detokenize(self) -> list[SequenceGroup]:
         """Text for the filled tokens, stop strings applied (a match finishes its sequence);
         returns the groups that progressed, in order."""

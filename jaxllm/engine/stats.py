@@ -23,8 +23,11 @@ class EngineStats:
     output_seconds: float = 0.0  # detokenization, stop strings, RequestOutputs
     update_seconds: float = 0.0  # appending sampled tokens, EOS/length checks
     device_wait_seconds: float = 0.0  # blocked on the device after the overlapped work
-    bitmask_seconds: float = 0.0  # grammar bitmasks on the critical path (within prepare)
-    bitmask_fill_seconds: float = 0.0  # filling them, on the bitmask thread (overlapped)
+    # Structured outputs: the engine thread waiting on the grammar task (starting it, within
+    # update; its bitmask, within prepare), and the task itself (token accepts, then the
+    # bitmask) on the bitmask thread, overlapped.
+    bitmask_seconds: float = 0.0
+    bitmask_fill_seconds: float = 0.0
 
     finished: dict = dataclasses.field(default_factory=dict)  # finish reason -> count
     # KV slots summed over steps (jaxllm.engine.kv_usage defines waste and utilisation from them)

@@ -2,6 +2,6 @@
 bitmask for the constrained rows. Host side only; the sampler applies the bitmask on device."""
 
 from jaxllm.structured.grammar import GrammarCompiler, grammar_text
-from jaxllm.structured.matchers import StructuredOutputs, bitmask_width
+from jaxllm.structured.matchers import GrammarTask, StructuredOutputs, bitmask_width
 
-__all__ = ["GrammarCompiler", "StructuredOutputs", "bitmask_width", "grammar_text"]
+__all__ = ["GrammarCompiler", "GrammarTask", "StructuredOutputs", "bitmask_width", "grammar_text"]
