@@ -16,7 +16,9 @@ Two formats:
 With ``--tokenizer`` (a tokenizer.json, HF directory or .gguf) the tokens are a real text's
 and detokenizing costs what it costs; without one nothing is detokenized. Printed per step,
 medians over ``--steps``: the engine thread's cost (outputs, encode, pickle, send: what was
-``output_seconds`` plus the send), the receiver's (unpickle, outputs), and the round trip.
+``output_seconds`` plus the send), the receiver's (unpickle, outputs), and the round trip;
+the first two also as CPU time of the thread (``time.thread_time``), which other processes on
+a shared host do not inflate as they do the wall time.
 
     python -m jaxllm.benchmarks.ipc_step --rows 64,256,1024 \\
         --tokenizer .gpu_deps/smollm2_tokenizer.json --output-json ipc.json
@@ -152,13 +154,13 @@ def receiver(address: str, wire_format: str, rows: int, tokenizer_path: str | No
     socket.setsockopt(zmq.IDENTITY, b"fe0")
     socket.connect(address)
     socket.send(b"hello")
-    spent = []
+    spent, cpu = [], []
     while True:
         payload = socket.recv()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         message = pickle.loads(payload)
         if message[0] == "done":
-            socket.send(pickle.dumps(spent))
+            socket.send(pickle.dumps((spent, cpu)))
             return
         if processor is not None:
             outputs, _ = processor.process(message[1])
@@ -166,6 +168,7 @@ def receiver(address: str, wire_format: str, rows: int, tokenizer_path: str | No
             outputs = [decode_text(item) for item in message[1]]
         assert len(outputs) == len(message[1])
         spent.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
         socket.send(b"ack")
 
 
@@ -194,33 +197,37 @@ def measure(args, wire_format: str, rows: int, tokenizer) -> dict:
     socket.setsockopt(zmq.SNDHWM, 0)
     socket.bind(address)
     proc = multiprocessing.get_context("spawn").Process(
-        target=receiver, args=(address, wire_format, rows, args.tokenizer))
+        target=receiver, args=(address, wire_format, rows, args.tokenizer), daemon=True)
     proc.start()
     identity, _ = socket.recv_multipart()
     engine = EngineSide(rows, wire_format, tokenizer)
-    send_s, round_trip_s, sizes = [], [], []
+    send_s, send_cpu, round_trip_s, sizes = [], [], [], []
     for step in range(args.steps + args.warmup):
         engine.fill(step)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         frame = dumps(("outputs", engine.outputs(step)))
         socket.send_multipart([identity, frame], copy=False)
-        sent = time.perf_counter()
+        sent, sent_cpu = time.perf_counter(), time.thread_time()
         socket.recv_multipart()
         if step >= args.warmup:
             send_s.append(sent - start)
+            send_cpu.append(sent_cpu - start_cpu)
             round_trip_s.append(time.perf_counter() - start)
             sizes.append(len(frame))
     socket.send_multipart([identity, pickle.dumps(("done",))])
-    receive_s = pickle.loads(socket.recv_multipart()[1])[args.warmup:]
+    receive_s, receive_cpu = (x[args.warmup:] for x in pickle.loads(socket.recv_multipart()[1]))
     proc.join(10)
     socket.close(0)
     context.term()
     row = {"send_ms": 1e3 * statistics.median(send_s),
+           "send_cpu_ms": 1e3 * statistics.median(send_cpu),
            "receive_ms": 1e3 * statistics.median(receive_s),
+           "receive_cpu_ms": 1e3 * statistics.median(receive_cpu),
            "round_trip_ms": 1e3 * statistics.median(round_trip_s),
            "bytes": statistics.median(sizes)}
-    print(f"{wire_format:6s} rows {rows:5d}: engine thread {row['send_ms']:.3f} ms, receiver "
-          f"{row['receive_ms']:.3f} ms, round trip {row['round_trip_ms']:.3f} ms, "
+    print(f"{wire_format:6s} rows {rows:5d}: engine thread {row['send_ms']:.3f} ms "
+          f"({row['send_cpu_ms']:.3f} CPU), receiver {row['receive_ms']:.3f} ms "
+          f"({row['receive_cpu_ms']:.3f} CPU), round trip {row['round_trip_ms']:.3f} ms, "
           f"{row['bytes'] / 1024:.1f} KiB a step")
     return row
 

@@ -42,6 +42,12 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
         self.tokenizer = tokenizer  # a transformers tokenizer: decode(ids, skip_special_tokens)
+        # A fast tokenizer that does no clean-up decodes as its Rust backend does; calling the
+        # backend skips transformers' per-call argument handling (3.4 -> 1.2 us a call on
+        # SmolLM2's tokenizer, two calls a token). Any other goes through decode().
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if getattr(tokenizer, "clean_up_tokenization_spaces",
+                                           True) is False else None
         self.params = params
         self.skip_special_tokens = params.skip_special_tokens
         self.stop_strings = params.stop
@@ -121,6 +127,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _decode_new(self, new_ids: list[int], final: bool) -> str:

@@ -36,6 +36,7 @@ from jaxllm.engine.sequence import RequestMetrics, SequenceGroup
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 StopDecision = tuple[str, int, str]  # (request id, sample index, the stop string)
+_RUNNING, _FINISHED, _STOPPED_HERE = 0, 1, 2  # what a core output did to a sample
 
 
 def core_output(group: SequenceGroup, prompt: str | None) -> tuple:
@@ -140,10 +141,13 @@ class RequestOutputProcessor:
         if state.prompt_token_ids is None and prompt_ids is not None:
             state.prompt, state.prompt_token_ids = prompt, prompt_ids
         state.metrics = RequestMetrics(*metrics)
+        ended = False  # a sample finished with this item
         for sample in samples:
-            if self._update(state, *sample):
+            how = self._update(state, *sample)
+            if how == _STOPPED_HERE:
                 stops.append((request_id, sample[0], state.samples[sample[0]].stop_reason))
-        if not finished and state.finished_here:
+            ended = ended or how != _RUNNING
+        if not finished and ended and state.finished_here:
             finished = True
             state.metrics.finished_time = time.monotonic()
         if finished:
@@ -155,23 +159,27 @@ class RequestOutputProcessor:
 
     def _update(self, state: RequestState, index: int, ids: list[int],
                 logprobs: list | None, cumulative: float | None, finish: str | None,
-                stop_reason: int | str | None, stopped_by_token: bool) -> bool:
-        """Adds a sample's new tokens, one at a time through its detokenizer; True when a
-        stop string ended it here (tokens after the one that completed it are dropped)."""
+                stop_reason: int | str | None, stopped_by_token: bool) -> int:
+        """Adds a sample's new tokens, one at a time through its detokenizer; returns
+        _STOPPED_HERE when a stop string ended it (the tokens after the one that completed it
+        are dropped), _FINISHED when the core's finish arrived, else _RUNNING."""
         sample = state.samples.get(index)
         if sample is None:
             detok = None if self.tokenizer is None else IncrementalDetokenizer(
                 self.tokenizer, state.prompt_token_ids or [], state.params)
             sample = state.samples[index] = _Sample(index, detok)
         if sample.finish_reason is not None:  # stopped here: later tokens are dropped
-            return False
+            return _RUNNING
         detok, last = sample.detokenizer, len(ids) - 1
+        if detok is None:  # no tokenizer: no text, no stop strings
+            sample.token_ids += ids
+            if logprobs is not None:
+                sample.logprobs += logprobs
+            ids = ()
         for i, token in enumerate(ids):
             sample.token_ids.append(token)
             if logprobs is not None:
                 sample.logprobs.append(logprobs[i])
-            if detok is None:
-                continue
             ends = finish is not None and i == last  # the core finished it with this token
             stop = detok.add_token(token, stopped_by_token and i == last, ends)
             if stop is not None and not ends:  # (else its reason stands, as in-process)
@@ -180,13 +188,14 @@ class RequestOutputProcessor:
                                                            strict=True))
                 sample.cumulative_logprob = cumulative
                 sample.finish_reason, sample.stop_reason = "stop", stop
-                return True
+                return _STOPPED_HERE
         sample.cumulative_logprob = cumulative
-        if finish is not None:
-            sample.finish_reason, sample.stop_reason = finish, stop_reason
-            if detok is not None and not ids:
-                detok.flush()  # finished without a token (an abort): release held text
-        return False
+        if finish is None:
+            return _RUNNING
+        sample.finish_reason, sample.stop_reason = finish, stop_reason
+        if detok is not None and not ids:
+            detok.flush()  # finished without a token (an abort): release held text
+        return _FINISHED
 
     def _output(self, state: RequestState, finished: bool) -> RequestOutput:
         """The request's output now: whole, or (DELTA) what is new since the previous."""
@@ -194,8 +203,8 @@ class RequestOutputProcessor:
         want_logprobs = params.logprobs is not None
         delta = params.output_kind is RequestOutputKind.DELTA
         outputs = []
-        for index in sorted(state.samples):
-            s = state.samples[index]
+        samples = state.samples
+        for s in samples.values() if len(samples) == 1 else [samples[i] for i in sorted(samples)]:
             detok = s.detokenizer
             if delta:
                 start, s.num_sent = s.num_sent, len(s.token_ids)
@@ -206,7 +215,7 @@ class RequestOutputProcessor:
                 token_ids = list(s.token_ids)
                 logprobs = list(s.logprobs) if want_logprobs else None
                 text = detok.output_text if detok is not None else ""
-            outputs.append(CompletionOutput(index, text, token_ids, s.cumulative_logprob,
+            outputs.append(CompletionOutput(s.index, text, token_ids, s.cumulative_logprob,
                                             logprobs, s.finish_reason, s.stop_reason))
         metrics = state.metrics
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids or [],
