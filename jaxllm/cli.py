@@ -169,7 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("output", help="a new (or empty) directory")
     conv.add_argument("--dtype", default="auto",
                       choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    conv.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf"])
+    conv.add_argument("--load-format", default="auto",
+                      choices=["auto", "safetensors", "gguf", "dummy"],
+                      help="dummy: random weights of MODEL's shape (a preset such as "
+                           "llama-3-8b, or a config.json), e.g. to time loading and start-up")
     conv.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8"],
                       help="quantize while converting (int8 weight-only, fp8 W8A8)")
     conv.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,

@@ -102,3 +102,16 @@ def test_what_a_converted_checkpoint_cannot_honour_is_refused(tmp_path, capsys):
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(ModelLoadError, match="its params do not match its metadata"):
         jaxllm.load_model(out)
+
+
+def test_convert_writes_dummy_weights_of_a_shape(tmp_path):
+    """``--load-format dummy``: random weights of the source's shape, no weights read (how
+    start-up of a model shape is timed from a converted checkpoint, benchmarks/warm_restart)."""
+    out = str(tmp_path / "dummy")
+    assert cli_main(["convert", SOURCE, out, "--load-format", "dummy", "--dtype", "float32",
+                     "--no-unroll-layers"]) == 0
+    want = jaxllm.load_model(SOURCE, load_format="dummy", dtype="float32", unroll_layers=False)
+    got = jaxllm.load_model(out)
+    assert got.config == want.config
+    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
