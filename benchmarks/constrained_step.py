@@ -194,6 +194,7 @@ class Replay:
         engine.output_processor = OutputProcessor(tokenizer, eos, engine.scheduler.finish_seq)
         engine._inflight, engine._num_penalty_requests = None, 0
         engine.stream_outputs = False  # offline, as bench throughput runs
+        engine.token_deltas = False  # the engine detokenizes (in-process, as offline runs)
         engine._groups, engine._prompts = {}, {}
         for group in engine.scheduler.slots:
             self._admit(group)
