@@ -93,18 +93,25 @@ def test_front_end_detokenizing_gives_the_in_process_engines_outputs(
         tiny_over_smollm2_vocab):  # noqa: F811
     # The same requests in-process and split as jaxllm serve runs them: every output (text,
     # tokens, logprobs, finish and stop reasons) the same, a stop string ending the sample
-    # at the same token, and its blocks freed in the engine.
+    # at the same token, and its blocks freed in the engine. In-process outputs of each kind
+    # agree with its cumulative ones (the test above): they are the reference for all three.
     in_process = make_engine(tiny_over_smollm2_vocab, max_model_len=64)
     split = make_engine(tiny_over_smollm2_vocab, max_model_len=64)
     split.ship_token_deltas()
-    stopped = 0
-    for kind in RequestOutputKind:
-        expected, got = run(in_process, kind), run_split(split, kind)
-        assert got.keys() == expected.keys()
-        for key, outs in expected.items():
-            assert [(o.finished, o.outputs) for o in got[key]] == \
-                [(o.finished, o.outputs) for o in outs], (kind, key)
-            stopped += sum(isinstance(o.stop_reason, str) for o in outs[-1].outputs)
-    assert stopped  # some samples ended on the stop string
-    assert split.stats.finished == in_process.stats.finished  # counted as "stop" in both
+    expected = run(in_process, RequestOutputKind.CUMULATIVE)
+    got = {kind: run_split(split, kind) for kind in RequestOutputKind}
+    for key, outs in expected.items():
+        cumulative = [(o.finished, o.outputs) for o in outs]
+        assert [(o.finished, o.outputs) for o in got[RequestOutputKind.CUMULATIVE][key]] == \
+            cumulative, key
+        merged, deltas = [], got[RequestOutputKind.DELTA][key]
+        for d in deltas:  # each delta output is the cumulative one's new part
+            merged.append(d if not merged else merged[-1].merge(d))
+        assert [(o.finished, o.outputs) for o in merged] == cumulative, key
+        (final,) = got[RequestOutputKind.FINAL_ONLY][key]
+        assert (final.finished, final.outputs) == cumulative[-1], key
+    stops = [o.stop_reason for outs in expected.values() for o in outs[-1].outputs]
+    assert "e " in stops  # some samples ended on the stop string
+    counted = {r: 3 * c for r, c in in_process.stats.finished.items()}
+    assert split.stats.finished == counted  # counted as "stop" in both
     assert split.block_manager.usage == 0 and not split.has_unfinished_requests()
