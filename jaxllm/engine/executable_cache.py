@@ -61,6 +61,9 @@ class ExecutableCache:
         self.directory = directory
         self._files = AtomicLRUCache(directory, max_size=-1)
         self._lock = threading.Lock()
+        # Leaf signatures by (shape, dtype, weak type, sharding): an 8B model's ~300
+        # parameters share a few, and a warm start computes ~150 keys.
+        self._where: dict[Any, str] = {}
         self.num_loaded = 0  # executables read from the cache (no tracing, no lowering)
         self.num_compiled = 0  # executables traced, lowered and compiled (then stored)
 
@@ -96,10 +99,9 @@ class ExecutableCache:
     def key(self, name: str, args: tuple, static: dict, context: Any) -> str:
         """The entry's key: a hash of everything that determines the program (module doc)."""
         leaves, tree = jax.tree.flatten(args)
-        signatures: dict[int, str] = {}  # sharding repr by id: params share a few shardings
         parts = [FORMAT.decode(), environment(), name, repr(context),
                  repr(sorted(static.items())), str(tree)]
-        parts += [_leaf_signature(leaf, signatures) for leaf in leaves]
+        parts += [_leaf_signature(leaf, self._where) for leaf in leaves]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def contains(self, key: str) -> bool:
@@ -232,17 +234,21 @@ def _deserialize(value: bytes):
         payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
 
 
-def _leaf_signature(leaf, signatures: dict[int, str]) -> str:
+def _leaf_signature(leaf, known: dict[Any, str]) -> str:
+    """A leaf's shape, dtype, weak type and placement (sharding and device ids), as text;
+    memoized in ``known`` (formatting a dtype costs more than the lookup)."""
     sharding = getattr(leaf, "sharding", None)
-    where = "host"  # numpy and Python values: placed where the program's devices are
-    if sharding is not None:
-        where = signatures.get(id(sharding))
-        if where is None:
+    memo = (getattr(leaf, "shape", ()), getattr(leaf, "dtype", type(leaf)),
+            getattr(leaf, "weak_type", False), sharding)
+    text = known.get(memo)
+    if text is None:
+        where = "host"  # numpy and Python values: placed where the program's devices are
+        if sharding is not None:
             devices = getattr(sharding, "_device_assignment", None) or sorted(
                 sharding.device_set, key=lambda d: d.id)
-            where = signatures[id(sharding)] = f"{sharding!r}@{[d.id for d in devices]}"
-    return (f"{getattr(leaf, 'shape', ())}:{getattr(leaf, 'dtype', type(leaf).__name__)}:"
-            f"{getattr(leaf, 'weak_type', False)}:{where}")
+            where = f"{sharding!r}@{[d.id for d in devices]}"
+        text = known[memo] = f"{memo[0]}:{memo[1]}:{memo[2]}:{where}"
+    return text
 
 
 @functools.cache
