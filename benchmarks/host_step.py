@@ -28,6 +28,7 @@ import collections
 import cProfile
 import datetime
 import functools
+import gc
 import io
 import json
 import pstats
@@ -40,19 +41,41 @@ PHASES = ("schedule", "moves", "pack", "transfer", "forward_launch", "sampling_m
 
 
 def _timed(totals: dict, name: str, fn):
+    """``fn`` adding its wall time to ``totals[name]`` and its thread's CPU time to
+    ``totals[name + "_cpu"]`` (on a loaded machine the CPU time is the steadier figure)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
             totals[name] += time.perf_counter() - start
+            totals[name + "_cpu"] += time.thread_time() - cpu
     return wrapper
+
+
+class GcTimer:
+    """Time spent in the garbage collector (gc.callbacks) while ``on``."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self.on, self._start = 0.0, 0, False, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.on:
+            self.seconds += time.perf_counter() - self._start
+            self.collections += 1
+
+
+_CURRENT: list[collections.Counter] = []  # the engine being measured's totals
 
 
 def instrument(engine, totals: collections.Counter) -> None:
     """Wraps the phases' functions on this engine (instance attributes: nothing global
-    changes but the runner module's sampling-metadata builder, wrapped once)."""
+    changes but the runner module's sampling-metadata builder, wrapped once and adding to
+    the totals of the engine instrumented last)."""
     from jaxllm.engine import model_runner
 
     runner = engine.runner
@@ -62,9 +85,13 @@ def instrument(engine, totals: collections.Counter) -> None:
     runner.prepare_forward = _timed(totals, "prepare", runner.prepare_forward)
     runner.launch_forward = _timed(totals, "forward_launch", runner.launch_forward)
     runner.launch_sampler = _timed(totals, "sampler_launch", runner.launch_sampler)
-    if not hasattr(model_runner.build_sampling_metadata, "__wrapped__"):
-        model_runner.build_sampling_metadata = _timed(
-            totals, "sampling_md", model_runner.build_sampling_metadata)
+    engine._record = _timed(totals, "record", engine._record)  # update + device wait
+    if not _CURRENT:
+        _CURRENT.append(totals)
+        build = model_runner.build_sampling_metadata
+        model_runner.build_sampling_metadata = lambda *a, **k: _timed(
+            _CURRENT[0], "sampling_md", build)(*a, **k)
+    _CURRENT[0] = totals
 
 
 def make_engine(num_seqs: int, context: int, steps: int, prefix_caching: bool,
@@ -109,7 +136,7 @@ def fill_batch(engine, num_seqs: int, context: int) -> None:
             row.seq.token_ids.append(int(rng.integers(2, 250)))
 
 
-def measure(args, num_seqs: int, prefix_caching: bool) -> dict:
+def measure(args, num_seqs: int, prefix_caching: bool, gc_timer: GcTimer) -> dict:
     total_steps = args.warm_steps + args.steps + args.profile_steps
     engine = make_engine(num_seqs, args.context, total_steps, prefix_caching,
                          args.mode == "async")
@@ -119,20 +146,28 @@ def measure(args, num_seqs: int, prefix_caching: bool) -> dict:
     instrument(engine, totals)
     for _ in range(args.warm_steps):  # compiles the decode bucket(s)
         engine.step()
+    if args.gc_freeze:  # what lives now is never collected (vLLM freezes after start-up)
+        gc.collect()
+        gc.freeze()
     totals.clear()
     stats = engine.stats
     update0, wait0, steps0 = stats.update_seconds, stats.device_wait_seconds, stats.num_steps
     per_step = []
+    gc_timer.seconds, gc_timer.collections, gc_timer.on = 0.0, 0, True
     for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
         per_step.append(time.perf_counter() - start)
+    gc_timer.on = False
     steps = stats.num_steps - steps0
     totals["update"] = stats.update_seconds - update0
-    totals["transfer"] = totals["prepare"] - totals["pack"] - totals["moves"]
+    totals["update_cpu"] = totals["record_cpu"]  # blocked on the device: no CPU time
+    for suffix in ("", "_cpu"):
+        totals["transfer" + suffix] = (totals["prepare" + suffix] - totals["pack" + suffix]
+                                       - totals["moves" + suffix])
+        totals["sampler_launch" + suffix] -= totals["sampling_md" + suffix]  # shown apart
     ms = {p: 1e3 * totals[p] / steps for p in PHASES}
-    ms["sampler_launch"] -= ms["sampling_md"]  # shown apart
-    host = sum(ms.values())
+    cpu_ms = {p: 1e3 * totals[p + "_cpu"] / steps for p in PHASES}
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.profile_steps):
@@ -143,8 +178,13 @@ def measure(args, num_seqs: int, prefix_caching: bool) -> dict:
     while engine.has_unfinished_requests():  # drain, so the engine ends clean
         engine.abort_request(list(engine._groups))
         engine.step()
+    gc.unfreeze()
     return {"num_seqs": num_seqs, "prefix_caching": prefix_caching, "steps": steps,
-            "host_ms": round(host, 3), "phase_ms": {k: round(v, 3) for k, v in ms.items()},
+            "host_ms": round(sum(ms.values()), 3), "host_cpu_ms": round(sum(cpu_ms.values()), 3),
+            "phase_ms": {k: round(v, 3) for k, v in ms.items()},
+            "phase_cpu_ms": {k: round(v, 3) for k, v in cpu_ms.items()},
+            "gc_ms": round(1e3 * gc_timer.seconds / steps, 3),
+            "gc_collections": gc_timer.collections,
             "step_wall_ms_median": round(1e3 * float(np.median(per_step)), 3),
             "device_wait_ms": round(1e3 * (stats.device_wait_seconds - wait0) / steps, 3),
             "profile_top": _top_lines(text.getvalue(), args.top)}
@@ -168,20 +208,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--profile-steps", type=int, default=8)
     parser.add_argument("--top", type=int, default=15, help="cProfile rows printed")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once the batch runs: the collector skips it")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
 
     import jax
     from jaxllm.benchmarks.provenance import source_commit, write_json
 
-    runs = [measure(args, n, caching == "on") for n in args.num_seqs
+    gc_timer = GcTimer()
+    runs = [measure(args, n, caching == "on", gc_timer) for n in args.num_seqs
             for caching in args.prefix_caching]
-    print(f"{'seqs':>5} {'cache':>5} " + " ".join(f"{p:>14}" for p in PHASES)
-          + f" {'host ms':>8} {'step ms':>8}")
-    for r in runs:
-        print(f"{r['num_seqs']:5d} {'on' if r['prefix_caching'] else 'off':>5} "
-              + " ".join(f"{r['phase_ms'][p]:14.3f}" for p in PHASES)
-              + f" {r['host_ms']:8.2f} {r['step_wall_ms_median']:8.2f}")
+    for kind, key, total in (("wall", "phase_ms", "host_ms"), ("thread CPU", "phase_cpu_ms",
+                                                               "host_cpu_ms")):
+        print(f"\nms a step, {kind}:")
+        print(f"{'seqs':>5} {'cache':>5} " + " ".join(f"{p:>14}" for p in PHASES)
+              + f" {'host':>8} {'step':>8} {'gc':>6}")
+        for r in runs:
+            print(f"{r['num_seqs']:5d} {'on' if r['prefix_caching'] else 'off':>5} "
+                  + " ".join(f"{r[key][p]:14.3f}" for p in PHASES)
+                  + f" {r[total]:8.2f} {r['step_wall_ms_median']:8.2f} {r['gc_ms']:6.2f}")
     for r in runs:
         print(f"\ncProfile, {r['num_seqs']} seqs, prefix caching "
               f"{'on' if r['prefix_caching'] else 'off'} ({args.profile_steps} steps):")

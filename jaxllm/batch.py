@@ -52,6 +52,53 @@ class BatchMetadata:
     decode_only: bool | None = flax.struct.field(pytree_node=False, default=None)
 
 
+@flax.struct.dataclass
+class PackedBatch:
+    """A step's :class:`BatchMetadata` and placeholder rows in one int32 buffer, so that the
+    engine makes one host-to-device copy a step instead of one per field; ``unpack`` slices
+    it back inside the jitted step, where the slices cost nothing. The sizes are static (the
+    step's bucket), so one layout compiles once.
+
+    ``data`` (i32[4T + S*W + 2S + 1 + N]) holds, back to back: input_ids [T], positions [T],
+    slot_mapping [T], prev_rows [T] (each token's row in the previous step's samples, or -1),
+    block_tables [S*W], seq_lens [S], query_start_loc [S + 1], logits_indices [N].
+    """
+
+    data: jax.Array  # i32[4T + S*W + 2S + 1 + N]
+    num_tokens: int = flax.struct.field(pytree_node=False)  # T
+    num_seqs: int = flax.struct.field(pytree_node=False)  # S
+    table_width: int = flax.struct.field(pytree_node=False)  # W
+    num_logits: int = flax.struct.field(pytree_node=False)  # N
+    decode_only: bool | None = flax.struct.field(pytree_node=False, default=None)
+
+    @classmethod
+    def pack(cls, batch: BatchMetadata, prev_rows: Any) -> PackedBatch:
+        """``batch`` (numpy, as ``pack_batch`` gives it) and ``prev_rows`` (i32[T]) packed."""
+        t, (s, w), n = batch.input_ids.shape[0], batch.block_tables.shape, \
+            batch.logits_indices.shape[0]
+        data = np.empty(4 * t + s * w + 2 * s + 1 + n, np.int32)
+        offset = 0
+        for part in (batch.input_ids, batch.positions, batch.slot_mapping, prev_rows,
+                     batch.block_tables.reshape(-1), batch.seq_lens, batch.query_start_loc,
+                     batch.logits_indices):
+            data[offset:offset + part.shape[0]] = part
+            offset += part.shape[0]
+        return cls(data, t, s, w, n, batch.decode_only)
+
+    def unpack(self) -> tuple[BatchMetadata, jax.Array]:
+        """(the batch, prev_rows i32[T]): static slices of ``data`` (numpy or jax)."""
+        t, s, w = self.num_tokens, self.num_seqs, self.table_width
+        sizes = (t, t, t, t, s * w, s, s + 1, self.num_logits)
+        starts = np.cumsum((0,) + sizes).tolist()
+        ids, pos, slots, prev_rows, tables, seq_lens, query_start, logits = (
+            self.data[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True))
+        batch = BatchMetadata(
+            input_ids=ids, positions=pos, slot_mapping=slots,
+            block_tables=tables.reshape(s, w), seq_lens=seq_lens, query_start_loc=query_start,
+            logits_indices=logits, decode_only=self.decode_only)
+        return batch, prev_rows
+
+
 @dataclasses.dataclass(frozen=True)
 class SeqChunk:
     """New tokens of one sequence this step, continuing after ``num_computed`` cached tokens."""
@@ -174,4 +221,4 @@ def batch_spec(batch: BatchMetadata) -> BatchMetadata:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
 
 
-__all__ = ["BatchMetadata", "SeqChunk", "SeqChunks", "batch_spec", "pack_batch"]
+__all__ = ["BatchMetadata", "PackedBatch", "SeqChunk", "SeqChunks", "batch_spec", "pack_batch"]

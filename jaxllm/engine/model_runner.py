@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.batch import BatchMetadata, pack_batch
+from jaxllm.batch import BatchMetadata, PackedBatch, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -91,8 +91,10 @@ class PreparedForward:
     """A step's forward with its inputs on the device, ready to launch."""
 
     executable: object  # the step shape's compiled forward
-    batch: BatchMetadata  # on the device
-    prev_rows: jax.Array  # i32[T]: each token's row in the previous step's samples, or -1
+    # On the device, in one buffer: the batch, and each token's row in the previous step's
+    # samples or -1 (PackedBatch: one host-to-device copy a step instead of eight).
+    batch: PackedBatch
+    prev_rows: None  # in ``batch``; the forward's own argument stays unused
     has_placeholders: bool  # some rows of prev_rows are not -1
     shape: StepShape
     # Multi-host leader only: prepare_packed's arguments, sent to the workers at the launch.
@@ -245,7 +247,7 @@ class ModelRunner:
     def _forward_inputs(self, shape: StepShape, pooling: bool = False):
         batch = self._empty_batch(shape)
         return ("forward", self._programs.forward, (self.model.params, self._pool_spec, batch,
-                self._no_prev_tokens, batch.input_ids), {"pooling": pooling})
+                self._no_prev_tokens, None), {"pooling": pooling})
 
     def _sampler_inputs(self, key: tuple[int, int, SampleVariant]):
         rows, width, variant = key
@@ -268,10 +270,11 @@ class ModelRunner:
                                  else self._sampler_inputs(arg))
         return self.executable_cache.key(name, args, static, self._program_context)
 
-    def _empty_batch(self, shape: StepShape) -> BatchMetadata:
-        return pack_batch([], self.block_size, num_tokens=shape.num_tokens,
-                          num_seqs=shape.num_seqs, table_width=shape.table_width,
-                          num_logits=shape.num_seqs, decode_only=shape.is_decode)
+    def _empty_batch(self, shape: StepShape) -> PackedBatch:
+        batch = pack_batch([], self.block_size, num_tokens=shape.num_tokens,
+                           num_seqs=shape.num_seqs, table_width=shape.table_width,
+                           num_logits=shape.num_seqs, decode_only=shape.is_decode)
+        return PackedBatch.pack(batch, np.full(shape.num_tokens, -1, np.int32))
 
     # --------------------------------------------------------------------- step
     def prepare_forward(self, out: SchedulerOutput, pooling: bool = False) -> PreparedForward:
@@ -292,9 +295,9 @@ class ModelRunner:
         has_placeholders = prev_rows is not None
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
-        exe, shardings = self._forward_executable(shape, pooling)
-        batch, prev_rows = self._put((batch, prev_rows), shardings)
-        return PreparedForward(exe, batch, prev_rows, has_placeholders, shape, host)
+        exe, (sharding, _) = self._forward_executable(shape, pooling)
+        packed = self._put(PackedBatch.pack(batch, prev_rows), sharding)
+        return PreparedForward(exe, packed, None, has_placeholders, shape, host)
 
     def launch_forward(self, prepared: PreparedForward,
                        prev: PendingStep | None = None) -> LaunchedForward:

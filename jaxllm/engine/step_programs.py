@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxllm.batch import PackedBatch
 from jaxllm.kv_pool import copy_blocks
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import make_forward
@@ -37,7 +38,8 @@ class ProgramKey:
 
 class StepPrograms(NamedTuple):
     # (params, pool, batch, prev_tokens i32[max_rows], prev_rows i32[T]; pooling static)
-    #   -> (logits f32[S, V], pool, pooled | None); the pool is donated.
+    #   -> (logits f32[S, V], pool, pooled | None); the pool is donated. The engine passes
+    #   a PackedBatch (batch and prev_rows in one buffer) and prev_rows=None.
     forward: Any
     # (logits f32[S, V], SamplingMetadata; SampleVariant fields static)
     #   -> (SamplerOutput, tokens i32[max_rows])
@@ -63,6 +65,8 @@ def step_programs(key: ProgramKey) -> StepPrograms:
         return jax.lax.with_sharding_constraint(pool, kv_pool_shardings(pool, mesh))
 
     def forward_after(params, kv_pool, batch, prev_tokens, prev_rows, pooling=False):
+        if isinstance(batch, PackedBatch):  # one host-to-device copy for all of it
+            batch, prev_rows = batch.unpack()
         # Async scheduling: tokens the previous step samples are only on the device; the host
         # marks where they go (prev_rows >= 0) and they are filled in here.
         ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
