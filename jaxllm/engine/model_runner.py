@@ -225,6 +225,8 @@ class ModelRunner:
         inputs live (the shardings ``prepare_forward`` transfers them with)."""
         entry = self._forward_exe.get((shape, pooling))
         if entry is None:
+            if self.mirror is not None:  # the workers compile it now, not after the launch
+                self.mirror.send(("compile", "forward", (shape, pooling)))
             exe = self._compile(*self._forward_inputs(shape, pooling))
             args = exe.input_shardings[0]  # (params, pool, batch, prev_tokens, prev_rows)
             entry = self._forward_exe[shape, pooling] = (exe, (args[2], args[4]))
@@ -236,6 +238,8 @@ class ModelRunner:
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
         exe = self._sample_exe.get(key)
         if exe is None:
+            if self.mirror is not None:  # the workers compile it now, not after the launch
+                self.mirror.send(("compile", "sampler", (key,)))
             exe = self._sample_exe[key] = self._compile(*self._sampler_inputs(key))
             rows, width, variant = key
             self._count_compilation(exe)

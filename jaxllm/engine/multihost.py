@@ -17,19 +17,21 @@ Start-up, on every node (the same flags but ``--node-rank``, and ``--headless`` 
 Each step, the leader's :class:`~jaxllm.engine.model_runner.ModelRunner` sends every device
 launch before making it, as ``(op, *host arguments)``: ``("forward", index, (shape, pooling,
 batch, prev_rows), prev_index)``, ``("sample", forward_index, key, metadata)``,
-``("copy_blocks", src, dst)``. The arguments are the numpy arrays the launch itself takes
-(packed batch, sampling metadata, block ids); device results (logits, the sampled tokens a
-later forward reads) are named by index, and each worker keeps its own. The scheduler, block
-manager, detokenizer and HTTP server run on the leader only.
+``("copy_blocks", src, dst)``; and before compiling a program mid-run, ``("compile", kind,
+key)``, so that every node compiles it at once rather than a worker only when the launch
+arrives. The arguments are the numpy arrays the launch itself takes (packed batch, sampling
+metadata, block ids); device results (logits, the sampled tokens a later forward reads) are
+named by index, and each worker keeps its own. The scheduler, block manager, detokenizer and
+HTTP server run on the leader only.
 
 The side channel: one TCP connection per worker, each message a length-prefixed pickle
 (protocol 5). Chosen over ``jax.experimental.multihost_utils.broadcast_one_to_all``, which is
 itself a device collective on every node's step path (a program per payload shape, a
-host-device round trip, and on a dead peer a hang inside XLA), and whose connection doubles
-as the lifeline. NOTE: measured on CPU (``benchmarks/multihost_step.py``, RESULTS.md "Issue 18",
-a loaded 2-core host): a decode step's two messages (4-93 KB at 8-256 rows) cost the leader
-0.17-0.22 ms (pickling most of it) and a worker 0.05-0.07 ms to unpickle, against 61-87 ms
-for ``broadcast_one_to_all`` of the same arrays between two gloo CPU processes.
+host-device round trip, and on a dead peer a hang inside XLA); the socket's connection
+doubles as the lifeline. NOTE: measured on CPU (``benchmarks/multihost_step.py``, RESULTS.md
+"Issue 18", a loaded 2-core host): a decode step's two messages (4-93 KB at 8-256 rows) cost
+the leader 0.17-0.22 ms (pickling most of it) and a worker 0.05-0.07 ms to unpickle, against
+61-87 ms for ``broadcast_one_to_all`` of the same arrays between two gloo CPU processes.
 
 Liveness: the leader reads each worker's channel on a watchdog thread (workers never write
 after their hello), and a worker reads the leader's on its receiver thread. A process's death
@@ -57,6 +59,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+import jax
 
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.parallel import distributed
@@ -225,13 +229,16 @@ class StepBroadcaster:
             sock.sendall(data)
 
     def close(self) -> None:
-        """Tells the workers to stop (they exit 0) and closes the channels."""
+        """Tells the workers to stop (they exit 0) and closes the channels; at an exit on an
+        uncaught exception, only closes them (the workers exit 1 at once)."""
         if self.closing:
             return
         self.closing = True
+        crashed = getattr(sys, "last_exc", None) is not None
         for sock in self._sockets.values():
             try:
-                sock.sendall(frame(("stop",)))
+                if not crashed:
+                    sock.sendall(frame(("stop",)))
                 sock.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
@@ -319,6 +326,11 @@ class StepReplayer:
     def _copy_blocks(self, src, dst) -> None:
         self.runner.copy_blocks(src, dst)
 
+    def _compile(self, kind: str, args: tuple) -> None:
+        # Compiled as the leader compiles it: a collective's first launch waits for every
+        # process (gloo gives up after 30 s), so no node may start compiling only then.
+        getattr(self.runner, f"_{kind}_executable")(*args)
+
 
 def run_worker(config: EngineConfig) -> int:
     """A worker node (``jaxllm serve --headless --node-rank R``): builds the engine as the
@@ -328,6 +340,15 @@ def run_worker(config: EngineConfig) -> int:
 
     if config.node_rank == 0:
         raise ValueError("node rank 0 is the leader: it runs the server, not the worker loop")
-    engine = LLMEngine(config, progress=False)
-    logger.info("node %d ready: replaying the leader's steps", config.node_rank)
-    return StepReplayer(engine.runner, engine.nodes.inbox).run()
+    try:
+        engine = LLMEngine(config, progress=False)
+        logger.info("node %d ready: replaying the leader's steps", config.node_rank)
+        return StepReplayer(engine.runner, engine.nodes.inbox).run()
+    except BaseException as e:
+        if not jax.distributed.is_initialized():
+            raise  # it never joined: an ordinary error (e.g. no coordinator to reach)
+        # Exiting normally would wait in JAX's shutdown barrier for a leader that waits in
+        # a collective for this node: end now, so that the leader sees this node gone.
+        logger.exception("node %d failed", config.node_rank)
+        exit_now(EXIT_PEER_LOST, "node %d failed (%r): exiting", config.node_rank, e)
+        raise  # not reached

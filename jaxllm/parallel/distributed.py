@@ -99,11 +99,17 @@ def initialize(master_addr: str, master_port: int, nnodes: int, node_rank: int,
     else:
         logger.info("node 0 of %d: starting the JAX coordinator on port %d; waiting up to "
                     "%.0f s for the other nodes to join", nnodes, master_port, timeout)
-    jax.distributed.initialize(
-        coordinator, num_processes=nnodes, process_id=node_rank,
-        cluster_detection_method="deactivate",  # the flags say it all (LWS is not detected)
-        initialization_timeout=max(1, int(deadline - time.monotonic())),
-        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT)
+    try:
+        jax.distributed.initialize(
+            coordinator, num_processes=nnodes, process_id=node_rank,
+            cluster_detection_method="deactivate",  # the flags say it all (LWS: not detected)
+            initialization_timeout=max(1, int(deadline - time.monotonic())),
+            heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT)
+    except RuntimeError as e:  # e.g. JAX already ran a computation in this process
+        raise DistributedInitError(
+            f"--nnodes {nnodes}: this process cannot join the others ({e}); a multi-node "
+            "engine must be the first thing to use JAX in its process (pass the model by "
+            "name, not loaded)") from None
     logger.info("node %d of %d joined the JAX runtime at %s: %d local of %d devices",
                 node_rank, nnodes, coordinator, jax.local_device_count(), jax.device_count())
 
@@ -139,5 +145,11 @@ def put_from_host(tree: Any, shardings: Any) -> Any:
     alike: each process makes only its own devices' shards. ``device_put`` itself would first
     check across processes that the values are equal, a collective per call (and a hang when
     only one process makes it)."""
-    return jax.tree.map(lambda x, sharding: jax.make_array_from_callback(
-        np.shape(x), sharding, lambda index: np.asarray(x)[index]), tree, shardings)
+    def put(sharding, subtree):
+        return jax.tree.map(lambda x: jax.make_array_from_callback(
+            np.shape(x), sharding, lambda index: np.asarray(x)[index]), subtree)
+
+    # ``shardings`` may be a prefix of ``tree`` (one sharding for a whole dataclass), as
+    # device_put allows.
+    return jax.tree.map(put, shardings, tree,
+                        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))
