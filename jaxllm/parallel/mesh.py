@@ -35,9 +35,9 @@ def check_device_count(tensor_parallel_size: int, devices: list | None = None,
 
 def make_mesh(tensor_parallel_size: int, devices: list | None = None,
               pipeline_parallel_size: int = 1) -> Mesh:
-    """A (1, pp, tp) mesh over the first ``tp * pp`` devices (every process's, in process
-    order); each stage's ``tp`` devices are consecutive (on one host's GPUs, the NVLink
-    neighbours; across hosts, a stage per host when tp is a host's device count)."""
+    """A (1, pp, tp) mesh over the first ``tp * pp`` devices (every process's, in
+    ``jax.devices()`` order); each stage's ``tp`` devices are consecutive (on one host's GPUs,
+    the NVLink neighbours; across hosts, a stage per host when tp is a host's device count)."""
     devices = list(jax.devices() if devices is None else devices)  # every process's
     check_device_count(tensor_parallel_size, devices, pipeline_parallel_size)
     # Auto axes: XLA propagates the params' shardings through the unchanged model code and
