@@ -37,7 +37,6 @@ import logging
 import os
 import pickle
 import threading
-import time
 from typing import Any
 
 import jax

@@ -20,7 +20,6 @@ import numpy as np
 from jaxllm.attention import resolve_backend
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.compile_cache import use_compilation_cache
-from jaxllm.engine.executable_cache import ExecutableCache
 from jaxllm.engine.embeddings import EmbeddingRequests
 from jaxllm.engine.engine_config import (
     EngineConfig,
@@ -28,6 +27,7 @@ from jaxllm.engine.engine_config import (
     resolve_limits,
     resolve_unroll_layers,
 )
+from jaxllm.engine.executable_cache import ExecutableCache
 from jaxllm.engine.kv_sizing import plan_kv_blocks
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.model_runner import (
