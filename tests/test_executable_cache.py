@@ -162,6 +162,22 @@ def test_the_key_changes_with_whatever_shapes_the_program(tmp_path, monkeypatch)
     assert len(set(changed + [key])) == len(changed) + 1
 
 
+def test_the_environment_has_xla_flags_and_not_provenance(monkeypatch):
+    def environment(**env):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        executable_cache.environment.cache_clear()
+        return executable_cache.environment()
+
+    try:
+        base = environment()
+        assert environment(JAXLLM_COMMIT="abc1234", JAXLLM_API_KEY="secret") == base
+        assert environment(XLA_FLAGS="--xla_gpu_autotune_level=0") != base
+    finally:
+        monkeypatch.undo()
+        executable_cache.environment.cache_clear()
+
+
 def test_the_source_hash_changes_with_any_source_file(tmp_path):
     (tmp_path / "pkg" / "sub").mkdir(parents=True)
     (tmp_path / "pkg" / "a.py").write_text("A = 1\n")

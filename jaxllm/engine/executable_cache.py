@@ -14,8 +14,9 @@ program without running the Python that builds it:
   program is compiled for its devices) and its static arguments (the bucket's shape, the
   sampler variant),
 - the process's environment (:func:`environment`): jax and jaxlib versions, backend, platform
-  version and devices, ``XLA_FLAGS`` and ``JAXLLM_*`` variables, JAX's configuration, and a
-  hash of the jaxllm and pallas_kernels sources, so any code change misses.
+  version and devices, ``XLA_FLAGS`` and the other :data:`PROGRAM_ENV` variables, JAX's
+  configuration, and a hash of the jaxllm and pallas_kernels sources, so any code change
+  misses.
 
 Entries live in ``<compilation_cache_dir>/executables`` and are written as JAX's cache entries
 are in this engine (:class:`~jaxllm.engine.compile_cache.AtomicLRUCache`: a whole file renamed
@@ -51,6 +52,10 @@ FORMAT = b"jaxllm-executable-v1\n"  # bumped when the entry's layout changes
 SUBDIR = "executables"
 # JAX settings that do not change a compiled program (where caches and logs go).
 _IGNORED_CONFIG = ("cache", "log", "dump", "traceback", "pprint", "mtls", "timeout")
+# Environment variables that change compiled programs (JAX's own are in its configuration).
+# A jaxllm variable read while building or compiling a step program must be listed here; the
+# others (JAXLLM_COMMIT, JAXLLM_API_KEY ...) would only make restarts miss.
+PROGRAM_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXLLM_FP8_AUTOTUNE_LEVEL")
 
 
 class ExecutableCache:
@@ -258,8 +263,7 @@ def environment() -> str:
     devices = jax.devices()
     config = {k: v for k, v in sorted(jax.config.values.items())
               if not any(word in k for word in _IGNORED_CONFIG)}
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k == "XLA_FLAGS" or k.startswith("JAXLLM_")}
+    env = {k: os.environ.get(k) for k in PROGRAM_ENV}
     return "\n".join([
         f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
         f"{jax.default_backend()} {devices[0].client.platform_version}",
