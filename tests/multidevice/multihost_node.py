@@ -5,6 +5,10 @@ Node 0 generates greedily for PROMPTS through ``LLM`` and prints ``TOKENS <json>
 ``--keep-going`` it then prints ``BUSY`` and generates until it is killed or fails (a worker
 killed meanwhile must end it). Other nodes run the worker loop (``run_worker``) and exit with
 its status.
+
+Four nodes, TP 2 x PP 2, by hand (not in CI: ~2 min on 2 cores; same tokens as one process,
+checked 2026-12-02): ``--nnodes 4 --node-rank R --tp 2 --pp 2`` with ``JAX_NUM_CPU_DEVICES=1``
+for R = 0..3, and ``--tp 2 --pp 2`` with ``JAX_NUM_CPU_DEVICES=4`` for the reference.
 """
 
 from __future__ import annotations
