@@ -1,8 +1,9 @@
 """``python -m jaxllm.benchmarks.ipc_step``: what the engine-core process boundary costs a step.
 
 R running requests each get one new token a step (a streamed decode step, delta outputs; the
-prompt ids travel with a request's first output only). The engine side turns the step's
-filled tokens into what the core sends, pickles it and sends it the way the engine core does
+prompt ids, and with ``deltas`` the metrics, travel with a request's first output only). The
+engine side turns the step's filled tokens into what the core sends, pickles it and sends it
+the way the engine core does
 (``jaxllm.engine.core_process``: a ZMQ ROUTER to a DEALER over ``ipc://``); a receiving
 process unpickles it and makes the RequestOutputs a server reads; it acknowledges each step.
 Two formats:
@@ -113,7 +114,7 @@ class EngineSide:
         touched = self.processor.detokenize()
         if self.format == "deltas":
             items = [core_output(g, None) for g in touched]
-            return items if step == 0 else [(i[0], None, None, *i[3:]) for i in items]
+            return items if step == 0 else [(i[0], None, None, i[3], None, i[5]) for i in items]
         outputs = [RequestOutput.from_group(g, None) for g in touched]
         if step:
             for o in outputs:

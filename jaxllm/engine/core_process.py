@@ -358,11 +358,14 @@ class EngineCore:
             if identity is None:
                 continue
             if type(output) is tuple:  # a token delta (request_outputs.core_output)
+                finished = output[3]
                 if request_id in self.prompt_sent:
-                    output = (request_id, None, None, *output[3:])
+                    # The metrics are fixed from the first token (the first output) until
+                    # the finish: in between, each row goes without them (~half its bytes).
+                    output = (request_id, None, None, finished,
+                              output[4] if finished else None, output[5])
                 else:
                     self.prompt_sent.add(request_id)
-                finished = output[3]
             else:
                 finished = output.finished
             batches.setdefault(identity, []).append(output)

@@ -14,10 +14,12 @@ counted. The in-process engine (``LLM``) keeps detokenizing in its own output pa
 (:meth:`jaxllm.engine.output_processor.OutputProcessor.detokenize`); both feed tokens one at a
 time through :meth:`IncrementalDetokenizer.add_token`, so the text is the same.
 
-The core's tuple for a generation request (the prompt fields: its first output only)::
+The core's tuple for a generation request (the prompt fields: its first output only; the
+metrics, fixed from the first token until the finish: its first and final outputs only)::
 
     (request_id, prompt | None, prompt_token_ids | None, finished,
-     (arrival_time, first_scheduled_time, first_token_time, finished_time, num_cached_tokens),
+     (arrival_time, first_scheduled_time, first_token_time, finished_time, num_cached_tokens)
+       | None,
      [(index, new_token_ids, new_logprobs | None, cumulative_logprob | None,
        finish_reason | None, stop_reason, stopped_by_token), ...])   # one per sample
 
@@ -140,7 +142,8 @@ class RequestOutputProcessor:
             return None
         if state.prompt_token_ids is None and prompt_ids is not None:
             state.prompt, state.prompt_token_ids = prompt, prompt_ids
-        state.metrics = RequestMetrics(*metrics)
+        if metrics is not None:  # (every request's first output has them)
+            state.metrics = RequestMetrics(*metrics)
         ended = False  # a sample finished with this item
         for sample in samples:
             how = self._update(state, *sample)
