@@ -7,7 +7,8 @@ import random
 import pytest
 
 from jaxllm.engine.detokenizer import MAX_PENDING_TOKENS, IncrementalDetokenizer
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.engine.request_outputs import RequestOutputProcessor
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 CHINESE = "你好，世界！这是一个测试。我们在流式输出中文文本，每个汉字可能被拆成几个字节。🎉"
 MIXED = "The END marker, then STOP here. Café 🎉 over."
@@ -180,3 +181,37 @@ def test_stop_strings_wait_for_min_tokens(tok, prompt):
     assert len(ids) == 6
     detok, deltas, found = stream(tok, prompt, ids, stop=["b"], min_tokens=3)
     assert found == "b" and "".join(deltas) == "a b a "  # the first ' b's came too early
+
+
+# ------------------------------------------------------- the front end's processor
+def core_item(ids, finish=None, finished=False, logprob=-0.5):
+    """A core output (request_outputs.core_output's layout) of request "r", sample 0."""
+    return ("r", None, None, finished, (0.0, 0.0, 0.0, None, 0),
+            [(0, ids, [{t: logprob} for t in ids], logprob * len(ids), finish, None, False)])
+
+
+def test_the_front_end_stops_a_sample_inside_a_delta_and_drops_what_follows(tok, prompt):
+    ids = tok.encode(" one two three. four five")
+    processor = RequestOutputProcessor(tok)
+    processor.add_request("r", None, prompt, SamplingParams(
+        stop=[" three"], logprobs=0, output_kind=RequestOutputKind.DELTA))
+    (out,), stops = processor.process([core_item(ids)])
+    last = next(i for i in range(len(ids)) if " three" in tok.decode(ids[:i + 1]))
+    sample = out.outputs[0]
+    assert out.finished and stops == [("r", 0, " three")] and not processor.requests
+    assert (sample.text, sample.finish_reason, sample.stop_reason) == (" one two", "stop",
+                                                                       " three")
+    assert sample.token_ids == ids[:last + 1] and len(sample.logprobs) == last + 1
+    assert sample.cumulative_logprob == pytest.approx(-0.5 * (last + 1))
+    # What the core sampled before it heard of the stop is dropped.
+    assert processor.process([core_item(ids[:2], "stop", True)]) == ([], [])
+
+
+def test_a_final_only_output_is_decoded_token_by_token(tok, prompt):
+    ids = tok.encode(MIXED)
+    processor = RequestOutputProcessor(tok)
+    processor.add_request("r", None, prompt, SamplingParams(
+        output_kind=RequestOutputKind.FINAL_ONLY))
+    (out,), stops = processor.process([core_item(ids, "length", True)])
+    _, deltas, _ = stream(tok, prompt, ids)
+    assert out.outputs[0].text == "".join(deltas) == MIXED and not stops
