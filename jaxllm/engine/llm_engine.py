@@ -381,6 +381,9 @@ class LLMEngine:
                 num_embedded += 1
             else:
                 self.output_processor.fill_token(seq, row.group, result, r, positions[r])
+        # Before the grammars' answer, to give their accepts more time (a sequence that its
+        # grammar stops now is counted as running this step: it was).
+        self.stats.account(out, num_embedded, self.block_manager, self.scheduler.running)
         if task is not None:
             for i in self.structured.accepted(task, self.stats):  # their grammar is complete
                 r = fed[i]
@@ -389,7 +392,6 @@ class LLMEngine:
                 following.grammar = task
             else:
                 self.structured.result(task, self.stats)
-        self.stats.account(out, num_embedded, self.block_manager, self.scheduler.running)
         stats = self.stats
         stats.num_steps += 1
         stats.device_wait_seconds += t1 - t0

@@ -158,8 +158,9 @@ class StructuredOutputs:
             eos = self.compiler.eos_token_ids
             matchers = self._matchers_of(seq_ids, missing)
             complete, feed = [], []
+            # (A stopped matcher is never fed: its sequence stopped when it stopped.)
             for i, (matcher, token) in enumerate(zip(matchers, tokens, strict=True)):
-                if matcher.is_stopped() or (token in eos and matcher.is_accepting()):
+                if token in eos and matcher.is_accepting():
                     complete.append(i)
                 else:
                     feed.append(i)
