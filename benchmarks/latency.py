@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> dict:
     from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend(), pp)
+    unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
     # Loaded in the layout the engine would run (no second copy made to re-lay it out).
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,

@@ -242,7 +242,7 @@ def load_jax_model(args):
     # (unrolled: per-layer params over a per-layer pool), so no second copy is made.
     model = jaxllm.load_model(
         args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend(), pp),
+        unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()),
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         pipeline_parallel_size=pp,
         tokenizer=args.tokenizer)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.layers.linear import FP8_DTYPE, FP8_MAX
+from jaxllm.parallel.mesh import pipeline_parallel_size
 from jaxllm.parallel.sharding import kv_pool_shardings
 
 NULL_BLOCK = 0
@@ -72,14 +73,16 @@ class KVPool:
 class LayeredKVPool:
     """The same pool as :class:`KVPool`, one array pair per layer. An unrolled layer stack
     updates each layer's arrays once and reads them once, so XLA can keep every update in place
-    (a stacked pool is written, read, then written again by the next layer)."""
+    (a stacked pool is written, read, then written again by the next layer). With P pipeline
+    stages (:mod:`jaxllm.parallel.pipeline`) array j holds layer j of every stage, [P, ...]
+    split over them: L / P arrays, each stage's j-th layer on its own devices."""
 
-    k: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
-    v: tuple[jax.Array, ...]  # L x [1, num_blocks, block_size, Hkv, D]
+    k: tuple[jax.Array, ...]  # L / P x [P, num_blocks, block_size, Hkv, D]   (P = 1 unstaged)
+    v: tuple[jax.Array, ...]  # L / P x [P, num_blocks, block_size, Hkv, D]
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return sum(x.shape[0] for x in self.k)
 
     @property
     def num_blocks(self) -> int:
@@ -99,10 +102,11 @@ class LayeredKVPool:
 
     @classmethod
     def zeros(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: jnp.dtype) -> LayeredKVPool:
-        shape = (1, num_blocks, block_size, num_kv_heads, head_dim)
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+              head_dim: int, dtype: jnp.dtype, stages: int = 1) -> LayeredKVPool:
+        shape = (stages, num_blocks, block_size, num_kv_heads, head_dim)
+        count = num_layers // stages
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(count)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(count)))
 
     def layer(self, index: int) -> KVPool:
         """Layer ``index`` as a one-layer :class:`KVPool` (address it as layer 0)."""
@@ -118,8 +122,11 @@ class LayeredKVPool:
                 jnp.concatenate([x[:, ids] for x in self.v]))
 
     def write_blocks(self, ids: jax.Array, k: jax.Array, v: jax.Array) -> LayeredKVPool:
-        return LayeredKVPool(k=tuple(x.at[:, ids].set(k[i:i + 1]) for i, x in enumerate(self.k)),
-                             v=tuple(x.at[:, ids].set(v[i:i + 1]) for i, x in enumerate(self.v)))
+        """``k``, ``v`` [L, n, ...] in :meth:`read_blocks`' layer order."""
+        s = self.k[0].shape[0]  # stages
+        return LayeredKVPool(
+            k=tuple(x.at[:, ids].set(k[i * s:(i + 1) * s]) for i, x in enumerate(self.k)),
+            v=tuple(x.at[:, ids].set(v[i * s:(i + 1) * s]) for i, x in enumerate(self.v)))
 
 
 AnyKVPool = KVPool | LayeredKVPool
@@ -128,13 +135,14 @@ AnyKVPool = KVPool | LayeredKVPool
 def new_kv_pool(config, num_blocks: int, block_size: int, dtype: jnp.dtype, *,
                 unroll_layers: bool, mesh=None) -> AnyKVPool:
     """A zeroed pool for ``config`` (a :class:`~jaxllm.ModelConfig`) in the layout that
-    ``unroll_layers`` picks; the only place either pool type is chosen. With ``mesh`` (tensor
-    parallel) it is made split by KV head on it, never whole on one device."""
-    pool_type = LayeredKVPool if unroll_layers else KVPool
-
+    ``unroll_layers`` picks; the only place either pool type is chosen. With ``mesh`` it is made
+    split on it (by KV head, and by layer over pipeline stages), never whole on one device."""
     def zeros():
-        return pool_type.zeros(config.num_hidden_layers, num_blocks, block_size,
-                               config.num_key_value_heads, config.head_dim, dtype)
+        args = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads,
+                config.head_dim, dtype)
+        if unroll_layers:
+            return LayeredKVPool.zeros(*args, stages=pipeline_parallel_size(mesh))
+        return KVPool.zeros(*args)
 
     if mesh is None:
         return zeros()

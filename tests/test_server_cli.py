@@ -73,7 +73,6 @@ def test_api_key_and_memory_monitor_come_from_the_environment():
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "0"], "tensor_parallel_size=0 must be >= 1"),
     (["-pp", "0"], "pipeline_parallel_size=0 must be >= 1"),
-    (["-pp", "2", "--unroll-layers"], "needs the scanned layer stack"),
     (["--quantization", "bitsandbytes"], "--quantization=bitsandbytes is not supported"),
     (["/models/llama", "-q", "gguf"], "--quantization=gguf is not supported"),
     (["a", "--model", "b"], "two models given"),

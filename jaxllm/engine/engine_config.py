@@ -57,7 +57,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Split the layers into this many pipeline stages, each over its own tensor_parallel_size
     # devices (jaxllm.parallel.pipeline): devices used = tp x pp; the KV pool split by layer
-    # with the stages. The layers must divide evenly; needs the scanned layer stack.
+    # with the stages. The layers must divide evenly.
     pipeline_parallel_size: int = 1
     # Quantize (or read a quantized checkpoint's) weights: jaxllm.quantization. None: as the
     # checkpoint is.
@@ -97,10 +97,6 @@ class EngineConfig:
              f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
         need(self.pipeline_parallel_size >= 1,
              f"pipeline_parallel_size={self.pipeline_parallel_size} must be >= 1")
-        need(self.pipeline_parallel_size == 1 or not self.unroll_layers,
-             f"pipeline_parallel_size={self.pipeline_parallel_size} needs the scanned layer "
-             "stack: unroll_layers must be False or None (--unroll-layers is not supported "
-             "with --pipeline-parallel-size > 1)")
         need(self.swap_space >= 0, f"swap_space={self.swap_space} must be >= 0 GiB")
         need(self.cpu_kv_cache_space > 0,
              f"cpu_kv_cache_space={self.cpu_kv_cache_space} must be > 0 GiB")
@@ -146,12 +142,9 @@ def resolve_limits(config: EngineConfig, model_len: int, platform: str) -> Engin
                           max_num_seqs=max_num_seqs)
 
 
-def resolve_unroll_layers(setting: bool | None, platform: str,
-                          pipeline_parallel_size: int = 1) -> bool:
-    """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only (never
-    with pipeline stages, which scan their layers)."""
-    if setting is None and pipeline_parallel_size > 1:
-        return False
+def resolve_unroll_layers(setting: bool | None, platform: str) -> bool:
+    """``unroll_layers`` for a JAX platform name: as set, else unrolled on GPU only (pipeline
+    stages too: each unrolls its own layers)."""
     return platform == "gpu" if setting is None else setting
 
 

@@ -45,7 +45,8 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
         return sample(logits, md, num_logprobs=0, use_penalties=False), kv_pool
 
     pool = jax.eval_shape(lambda: new_kv_pool(cfg, 2, 16, kv_dtype or model.dtype,
-                                              unroll_layers=model.unroll_layers))
+                                              unroll_layers=model.unroll_layers,
+                                              mesh=model.mesh))  # the stages' layout
     if model.mesh is not None:  # per device: the pool split as the engine splits it
         pool = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             pool, kv_pool_shardings(pool, model.mesh))

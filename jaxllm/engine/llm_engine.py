@@ -82,8 +82,8 @@ class LLMEngine:
         self.nodes = NodeGroup.join(config) if config.nnodes > 1 else None
         if config.compilation_cache_dir and not config.enforce_eager:
             use_compilation_cache(config.compilation_cache_dir)
-        config = config.replace(unroll_layers=resolve_unroll_layers(
-            config.unroll_layers, jax.default_backend(), config.pipeline_parallel_size))
+        config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
+                                                                    jax.default_backend()))
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,

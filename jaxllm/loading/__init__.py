@@ -175,20 +175,21 @@ def load_model(model: str | None = None, *, dtype: str | Any = "auto",
     ``tokenizer`` (a HF directory, ``tokenizer.json`` or ``.gguf``) replaces the model's own
     (vLLM's ``--tokenizer``): e.g. one for dummy weights, which have none.
     ``pipeline_parallel_size`` P > 1 splits the stacked layers into P stages
-    (:mod:`jaxllm.parallel.pipeline`) over a (P, N) mesh of the first P x N devices; it needs
-    ``unroll_layers=False`` and a layer count that P divides.
+    (:mod:`jaxllm.parallel.pipeline`) over a (P, N) mesh of the first P x N devices; P must
+    divide the layer count.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} must be one of {', '.join(LOAD_FORMATS)}")
     if tensor_parallel_size != 1 or pipeline_parallel_size != 1:  # before anything is opened
         check_device_count(tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-    if pipeline_parallel_size != 1 and unroll_layers:
-        raise ValueError(f"--pipeline-parallel-size {pipeline_parallel_size}: pipeline stages "
-                         "scan their layers; unroll_layers must be False")
     if tokenizer is not None and not os.path.exists(os.path.expanduser(tokenizer)):
         raise ModelLoadError(f"--tokenizer {tokenizer}: no such file or directory")
-    loaded = _Loader(dtype, load_format, seed, unroll_layers, tensor_parallel_size,
-                     quantization, pipeline_parallel_size).load(model, config)
+    # Stages' per-layer params are cut from the stack on each stage's devices.
+    staged_unroll = unroll_layers and pipeline_parallel_size != 1
+    loaded = _Loader(dtype, load_format, seed, unroll_layers and not staged_unroll,
+                     tensor_parallel_size, quantization, pipeline_parallel_size).load(model, config)
+    if staged_unroll:
+        loaded = loaded.with_layer_layout(True, donate=True)
     if tokenizer is None:
         return loaded
     from jaxllm.loading.tokenizer import load_tokenizer

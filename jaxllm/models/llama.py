@@ -46,7 +46,7 @@ from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
-from jaxllm.parallel.mesh import pipeline_parallel_size
+from jaxllm.parallel.mesh import mesh_of, pipeline_parallel_size
 from jaxllm.parallel.pipeline import pipelined_layers
 
 Dtype = Any
@@ -153,10 +153,10 @@ class LlamaForCausalLM(nn.Module):
                 "LoadedModel.with_layer_layout)")
         stages = pipeline_parallel_size(self.mesh)
         if stages > 1 and not self.is_initializing():
-            if unrolled:
-                raise ValueError("pipeline parallelism needs the scanned layer stack "
-                                 "(unroll_layers=False)")
-            # Each stage scans its own L / pp layers over its part of the pool.
+            # Each stage runs its own L / pp layers over its part of the pool: scanned, or
+            # unrolled over the stage-major per-layer layout (each leaf [1, ...] in a stage).
+            layer = DecoderLayer(cfg, self.dtype, self.attention_backend, self.mesh,
+                                 parent=None)
             stage = nn.scan(
                 DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
@@ -164,8 +164,15 @@ class LlamaForCausalLM(nn.Module):
             )(cfg, self.dtype, self.attention_backend, self.mesh, parent=None)
 
             def stage_fn(params, hidden, pool, cos, sin, batch):
-                (hidden, pool, _), _ = stage.apply({"params": params},
-                                                   (hidden, pool, jnp.int32(0)), cos, sin, batch)
+                if not unrolled:
+                    (hidden, pool, _), _ = stage.apply(
+                        {"params": params}, (hidden, pool, jnp.int32(0)), cos, sin, batch)
+                    return hidden, pool
+                for j, layer_params in enumerate(params):
+                    (hidden, one, _), _ = layer.apply(
+                        {"params": jax.tree.map(lambda x: x[0], layer_params)},
+                        (hidden, pool.layer(j), jnp.int32(0)), cos, sin, batch)
+                    pool = pool.replace_layer(j, one)
                 return hidden, pool
 
             hidden, kv_pool = pipelined_layers(stage_fn, self.variables["params"]["layers"],
@@ -237,7 +244,12 @@ def stack_layer_params(params: Any) -> Any:
     stack's leaves [L, ...] (new arrays)."""
     if not has_per_layer_params(params):
         return params
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
+    if pipeline_parallel_size(mesh_of(params["layers"])) > 1:  # L / P x [P, ...] -> [L, ...]
+        layers = jax.tree.map(lambda *xs: jax.jit(
+            lambda *xs: jnp.stack(xs, axis=1).reshape(-1, *xs[0].shape[1:]),
+            out_shardings=xs[0].sharding)(*xs), *params["layers"])
+    else:
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *params["layers"])
     return {**params, "layers": layers}
 
 
@@ -248,18 +260,26 @@ def unstack_layer_params(params: Any, *, donate: bool = False) -> Any:
     autotuner runs once per layer and bucket; over whole arrays the L layers' fusions are
     identical and are tuned once. Returns new arrays. With ``donate`` (the caller owns
     ``params``) each stacked leaf is deleted once sliced, so the copy needs one leaf of extra
-    device memory instead of all the layers' weights."""
+    device memory instead of all the layers' weights. Split over P pipeline stages, tree j
+    holds layer j of every stage, leaves [P, ...] split over them (each stage's own j-th)."""
     if has_per_layer_params(params):
         return params
     leaves, treedef = jax.tree.flatten(params["layers"])
     num_layers = leaves[0].shape[0]
+    stages = pipeline_parallel_size(mesh_of(params["layers"]))
+    count = num_layers // stages  # trees
     per_leaf = []
     for leaf in leaves:
-        per_leaf.append(jax.block_until_ready([leaf[i] for i in range(num_layers)]))
+        if stages > 1:  # [L, ...] -> [P, L / P, ...][:, j], staying on each stage's devices
+            take = jax.jit(lambda x, j: x.reshape(stages, count, *x.shape[1:])[:, j],
+                           static_argnums=1, out_shardings=leaf.sharding)
+            per_leaf.append(jax.block_until_ready([take(leaf, j) for j in range(count)]))
+        else:
+            per_leaf.append(jax.block_until_ready([leaf[i] for i in range(num_layers)]))
         if donate:
             leaf.delete()
     layers = tuple(jax.tree.unflatten(treedef, [parts[i] for parts in per_leaf])
-                   for i in range(num_layers))
+                   for i in range(count))
     return {**params, "layers": layers}
 
 

@@ -3,11 +3,14 @@
 
 Where things live (:mod:`jaxllm.parallel.sharding`): the stacked layer params [L, ...] and the
 KV pool [L, blocks, block_size, Hkv, D] are split over ``pp`` on their layer axis, so stage s
-holds layers s L/pp .. (s+1) L/pp - 1 and their pages; embedding, final norm and LM head are
-replicated over ``pp`` (split over ``tp`` as usual). The stage loop is one ``jax.shard_map``
-over ``pp`` (``tp`` stays automatic inside it, so tensor parallelism within a stage is
-unchanged), and activations pass stage to stage by ``jax.lax.ppermute``; nothing else is
-communicated by hand (the last stage's hidden states reach the LM head by XLA's resharding).
+holds layers s L/pp .. (s+1) L/pp - 1 and their pages (scanned in the stage); in the unrolled
+layout, per-layer tree and pool array j hold layer j of every stage, [pp, ...], split the same
+way, and each stage runs its L/pp layers as straight-line code. Embedding, final norm and LM
+head are replicated over ``pp`` (split over ``tp`` as usual). The stage loop is one
+``jax.shard_map`` over ``pp`` (``tp`` stays automatic inside it, so tensor parallelism within
+a stage is unchanged), and activations pass stage to stage by ``jax.lax.ppermute``; nothing
+else is communicated by hand (the last stage's hidden states reach the LM head by XLA's
+resharding).
 
 Schedule (GPipe, inside the jitted step): the step's T tokens are cut into M micro-batches of
 T/M consecutive tokens, and the stage loop runs M + pp - 1 iterations; at iteration i stage s

@@ -21,7 +21,8 @@ scales and zeros [G, N] on both axes as the kernel (a group never straddles two 
 all rows (G = 1) is replicated along the input axis.
 
 Stacked layers add a leading layer axis, split over ``pp`` into pipeline stages (each stage's
-devices hold its consecutive layers; unsplit at pp = 1). The KV pool [L, blocks, block_size,
+devices hold its consecutive layers; unsplit at pp = 1); per-layer trees under pipeline stages
+hold one layer of each stage, [pp, ...], split the same way. The KV pool [L, blocks, block_size,
 Hkv, D] is split by layer with the stages and by KV head within a stage: every device holds its
 heads' pages of every block of its layers, so one block table serves all devices and the block
 manager never sees the mesh.
@@ -138,9 +139,10 @@ def param_spec(path: tuple, shape: tuple[int, ...], vocab_split: bool = True) ->
 
 
 def _stage_split(path: tuple, spec: PartitionSpec) -> PartitionSpec:
-    """``spec`` with a stacked layer leaf's leading layer axis split over the stages."""
-    names = path_names(path)
-    if len(names) < 2 or names[0] != "layers" or names[1] is None:  # a per-layer tree: idx
+    """``spec`` with a layer leaf's leading axis split over the stages: a stacked leaf's layer
+    axis, or a stage-major per-layer leaf's stage axis [P, ...]
+    (:func:`jaxllm.models.llama.unstack_layer_params`)."""
+    if path_names(path)[0] != "layers":
         return spec
     return PartitionSpec(PP_AXIS, *tuple(spec)[1:])
 

@@ -56,26 +56,30 @@ def one_device_tokens() -> list:
     return [o.outputs[0].token_ids for o in run_all(engine, *requests())]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_engine_at_pp2_gives_one_devices_tokens_and_splits_the_pool_by_stage(tp):
+# Stages scan their layers (TP 1), or unroll them over the stage-major per-layer layout (TP 2).
+@pytest.mark.parametrize("tp, unroll", [(1, False), (2, True)])
+def test_engine_at_pp2_gives_one_devices_tokens_and_splits_the_pool_by_stage(tp, unroll):
     engine = make_engine(tiny_model(), pipeline_parallel_size=2, tensor_parallel_size=tp,
-                         enable_prefix_caching=True, **LIMITS)
+                         unroll_layers=unroll, enable_prefix_caching=True, **LIMITS)
     prompts, max_tokens = requests()
     got = [o.outputs[0].token_ids for o in run_all(engine, prompts, max_tokens)]
     assert got == one_device_tokens()
     assert max(map(len, prompts)) > LIMITS["max_num_batched_tokens"]  # chunked prefill
     assert engine.block_manager.prefix_cache_hits > 0
     assert engine.model.pipeline_parallel_size == 2 and engine.model.tensor_parallel_size == tp
-    assert not engine.model.unroll_layers  # stages scan their layers
+    assert engine.model.unroll_layers == unroll
+    # Stacked: pool [2 layers, ...] and leaves [2, ...]; unrolled: one array per stage-local
+    # layer, [2 stages, ...]. Either way the leading axis is split over the stages: each
+    # device holds its stage's one layer of the two, its KV heads' pages of every block.
     pool = engine.runner.kv_pool
-    assert pool.k.sharding.spec[0] == "pp"
-    # Each device: its stage's one layer of the two, its KV heads' pages of every block.
-    assert {s.data.shape[:1] + s.data.shape[3:4] for s in pool.k.addressable_shards} == {
+    k = pool.k[0] if unroll else pool.k
+    assert k.sharding.spec[0] == "pp"
+    assert {s.data.shape[:1] + s.data.shape[3:4] for s in k.addressable_shards} == {
         (1, 2 // tp)}
     stage_of = {d: i for i, row in enumerate(engine.model.mesh.devices[0]) for d in row}
-    assert {stage_of[s.device] for s in pool.k.addressable_shards if s.index[0].start == 1} \
-        == {1}
-    qkv = engine.model.params["layers"]["attn"]["qkv_proj"]["kernel"]
+    assert {stage_of[s.device] for s in k.addressable_shards if s.index[0].start == 1} == {1}
+    layers = engine.model.params["layers"]
+    qkv = (layers[0] if unroll else layers)["attn"]["qkv_proj"]["kernel"]
     assert qkv.sharding.spec[0] == "pp"
     assert {s.data.shape for s in qkv.addressable_shards} == {(1, *qkv.shape[1:2],
                                                                qkv.shape[2] // tp)}
