@@ -8,8 +8,9 @@ negligible; the host work depends only on the row count, the context and the eng
 - ``moves``: the scheduler's block moves (swap/copy; none in a steady decode batch);
 - ``pack``: the scheduled chunks into numpy step metadata (no device);
 - ``transfer``: the rest of ``prepare_forward``, the metadata's host-to-device copy;
-- ``forward_launch`` / ``sampler_launch``: the executable calls until they return (the
-  sampler's includes building its metadata, also shown alone as ``sampling_md``);
+- ``forward_launch`` / ``sampler_launch``: the executable calls until they return;
+  ``sampler_rows``: the engine's per-row sampler inputs (the rest of ``LLMEngine._launch``),
+  ``sampling_md``: their arrays (``build_sampling_metadata``);
 - ``update``: recording the sampled tokens (``EngineStats.update_seconds``).
 
 The prompts (``--context`` tokens, the first half shared by every request) are "prefilled"
@@ -36,8 +37,8 @@ import time
 
 import numpy as np
 
-PHASES = ("schedule", "moves", "pack", "transfer", "forward_launch", "sampling_md",
-          "sampler_launch", "update")
+PHASES = ("schedule", "moves", "pack", "transfer", "forward_launch", "sampler_rows",
+          "sampling_md", "sampler_launch", "update")
 
 
 def _timed(totals: dict, name: str, fn):
@@ -86,6 +87,7 @@ def instrument(engine, totals: collections.Counter) -> None:
     runner.launch_forward = _timed(totals, "forward_launch", runner.launch_forward)
     runner.launch_sampler = _timed(totals, "sampler_launch", runner.launch_sampler)
     engine._record = _timed(totals, "record", engine._record)  # update + device wait
+    engine._launch = _timed(totals, "launch", engine._launch)  # rows + both launches
     if not _CURRENT:
         _CURRENT.append(totals)
         build = model_runner.build_sampling_metadata
@@ -165,6 +167,9 @@ def measure(args, num_seqs: int, prefix_caching: bool, gc_timer: GcTimer) -> dic
     for suffix in ("", "_cpu"):
         totals["transfer" + suffix] = (totals["prepare" + suffix] - totals["pack" + suffix]
                                        - totals["moves" + suffix])
+        totals["sampler_rows" + suffix] = (totals["launch" + suffix]
+                                           - totals["forward_launch" + suffix]
+                                           - totals["sampler_launch" + suffix])
         totals["sampler_launch" + suffix] -= totals["sampling_md" + suffix]  # shown apart
     ms = {p: 1e3 * totals[p] / steps for p in PHASES}
     cpu_ms = {p: 1e3 * totals[p + "_cpu"] / steps for p in PHASES}

@@ -15,6 +15,7 @@ from test_engine import (  # noqa: F401
     reference,
 )
 
+from jaxllm.engine.sequence import SequenceStatus
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -53,6 +54,11 @@ def test_random_arrivals_aborts_and_preemptions(model, seed, policy, mode):  # n
             if out.finished:
                 assert out.request_id not in finished, "a request finished twice"
                 finished[out.request_id] = out
+        # The KV accounting's one sum over the block tables: every table is a running seq's.
+        bm = engine.block_manager
+        assert bm.num_table_blocks() == sum(
+            bm.num_blocks(s.seq_id) for g in engine.scheduler.running for s in g.seqs
+            if s.status is SequenceStatus.RUNNING)
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

@@ -113,6 +113,10 @@ class BlockManager:
         lengths): numpy copies."""
         return self.tables.gather(seq_ids)
 
+    def num_table_blocks(self) -> int:
+        """Block-table slots of every seq with GPU blocks (a block shared by k seqs: k)."""
+        return int(self.tables.lengths.sum())
+
     def num_blocks(self, seq_id: int) -> int:
         """len(block_table(seq_id)), without building the copy."""
         seq = self._seqs.get(seq_id)

@@ -50,7 +50,8 @@ class EngineStats:
         self.generation_tokens += len(out.sample_rows) - num_embedded
         bm = block_manager
         self.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
-        for group in running:
-            for seq in group.seqs_with_status(SequenceStatus.RUNNING):
-                self.kv_slots_reserved += bm.num_blocks(seq.seq_id) * bm.block_size
-                self.kv_slots_used += seq.num_computed_tokens
+        # Every GPU block table belongs to a running sequence: one sum over the manager's
+        # numpy rows, not a Python call per sequence.
+        self.kv_slots_reserved += bm.num_table_blocks() * bm.block_size
+        self.kv_slots_used += sum(seq.num_computed_tokens for group in running
+                                  for seq in group.seqs if seq.status is SequenceStatus.RUNNING)
