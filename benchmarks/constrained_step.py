@@ -187,7 +187,8 @@ class Replay:
         engine.scheduler = Scheduler(self, args.batch, rows)
         engine.runner = Runner(self, args)
         engine.block_manager = SimpleNamespace(num_gpu_blocks=48000, block_size=16,
-                                               num_blocks=lambda seq_id: 1)
+                                               num_blocks=lambda seq_id: 1,
+                                               num_table_blocks=lambda: args.batch)
         from jaxllm.engine.embeddings import EmbeddingRequests
 
         engine.embeddings = EmbeddingRequests()
