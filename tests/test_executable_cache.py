@@ -31,18 +31,26 @@ traced = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, fun_name="", **kw: traced.append(fun_name)
     if event == dispatch.JAXPR_TRACE_EVENT else None)
+import numpy as np
 sys.path.insert(0, sys.argv[2])
-from tiny_models import TINY_CONFIGS, random_params
+from tiny_models import TINY_CONFIGS
 from jaxllm import EngineConfig, LLMEngine, SamplingParams
 from jaxllm.engine import executable_cache
 from jaxllm.loading import LoadedModel
+from jaxllm.models.llama import param_shapes
 
 # The starts run one source: the hash is pinned so that an edit to the checkout while the test
 # runs does not make them miss (test_the_source_hash_changes_with_any_source_file covers it).
 executable_cache.source_hash = lambda: "the source under test"
 
 cfg = TINY_CONFIGS["qwen2_bias"]
-model = LoadedModel("tiny", cfg, random_params(cfg, seed=21), None, jnp.float32)
+# Seeded numpy values (tiny_models.random_params runs flax's init op by op: ~10 s a process).
+rng = np.random.default_rng(21)
+params = jax.device_put(jax.tree_util.tree_map_with_path(
+    lambda path, x: (("scale" in jax.tree_util.keystr(path))
+                     + 0.3 * rng.standard_normal(x.shape)).astype(x.dtype),
+    param_shapes(cfg, jnp.float32)))
+model = LoadedModel("tiny", cfg, params, None, jnp.float32)
 # One sequence at a time: the fewest programs (2 forwards, 3 sampler variants).
 engine = LLMEngine(EngineConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=32,
                                 block_size=8, num_gpu_blocks_override=16,
@@ -91,6 +99,7 @@ def test_a_restarted_engine_loads_every_program_and_samples_the_same_tokens(tmp_
     assert warm["report"]["cached"] == programs
     assert warm["tokens"] == cold[0]["tokens"] == cold[1]["tokens"]
     assert [len(t) for t in warm["tokens"].values()] == [6, 6]
+    assert len({t for tokens in warm["tokens"].values() for t in tokens}) > 2
 
 
 # Loads entries in a process with JAX alone and calls them: an executable's code must be in its
@@ -228,13 +237,15 @@ def test_an_unusable_directory_turns_the_cache_off_with_a_warning(tmp_path, capl
 
 
 def test_an_eager_engine_has_no_executable_cache(tmp_path):
-    from tiny_models import TINY_CONFIGS, random_params
+    from tiny_models import TINY_CONFIGS
 
     from jaxllm import EngineConfig, LLMEngine
     from jaxllm.loading import LoadedModel
+    from jaxllm.models.llama import param_shapes
 
     cfg = TINY_CONFIGS["qwen2_bias"]
-    model = LoadedModel("tiny", cfg, random_params(cfg, seed=21), None, jnp.float32)
+    params = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), param_shapes(cfg, jnp.float32))
+    model = LoadedModel("tiny", cfg, params, None, jnp.float32)
     engine = LLMEngine(EngineConfig(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=32,
                                     block_size=8, num_gpu_blocks_override=16,
                                     enforce_eager=True, compilation_cache_dir=str(tmp_path)),
