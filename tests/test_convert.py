@@ -104,14 +104,20 @@ def test_what_a_converted_checkpoint_cannot_honour_is_refused(tmp_path, capsys):
         jaxllm.load_model(out)
 
 
-def test_convert_writes_dummy_weights_of_a_shape(tmp_path):
-    """``--load-format dummy``: random weights of the source's shape, no weights read (how
-    start-up of a model shape is timed from a converted checkpoint, benchmarks/warm_restart)."""
+def test_convert_takes_dummy_weights(tmp_path, monkeypatch):
+    """``--load-format dummy`` reaches the loader (random weights of a preset's or a
+    config.json's shape: how start-up from a converted checkpoint is timed without the weights,
+    benchmarks/warm_restart), and what it returns is written."""
+    calls = []
+    load = jaxllm.load_model
+
+    def load_model(model, **kwargs):
+        calls.append((model, kwargs["load_format"]))
+        return load(model, dtype=kwargs["dtype"], unroll_layers=kwargs["unroll_layers"])
+
+    monkeypatch.setattr(jaxllm, "load_model", load_model)
     out = str(tmp_path / "dummy")
     assert cli_main(["convert", SOURCE, out, "--load-format", "dummy", "--dtype", "float32",
                      "--no-unroll-layers"]) == 0
-    want = jaxllm.load_model(SOURCE, load_format="dummy", dtype="float32", unroll_layers=False)
-    got = jaxllm.load_model(out)
-    assert got.config == want.config
-    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert calls == [(SOURCE, "dummy")]
+    assert load(out).config == load(SOURCE, dtype="float32").config
