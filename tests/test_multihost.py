@@ -1,8 +1,9 @@
 """Multi-host serving on one machine: two CPU processes joined by ``jax.distributed`` (gloo
-collectives), one device each, serve a tensor-parallel-2 model with the tokens one process
-with two devices gives; a worker's death ends the leader (exit 1, never a hang), the leader's
-death ends its workers, and a worker with no leader to reach fails within its time-out with a
-message naming the flags. The flags and LeaderWorkerSet's environment, without processes.
+collectives), one device each, serve a tensor-parallel-2 (and a pipeline-parallel-2) model
+with the tokens one process with two devices gives; a worker's death ends the leader (exit 1,
+never a hang), the leader's death ends its workers, and a worker with no leader to reach fails
+within its time-out with a message naming the flags. The flags and LeaderWorkerSet's
+environment, without processes.
 
 Every node runs in its own process (``tests/multidevice/multihost_node.py`` or ``jaxllm
 serve``), on free ports, with a time-out, and is killed if still alive at the end."""
@@ -163,6 +164,20 @@ def test_two_nodes_give_one_process_tokens_and_a_dead_leader_ends_its_worker():
         assert worker.wait(BOUND) == 1, worker.output[-3000:]
         assert time.monotonic() - start < BOUND
         assert "the leader (node 0) is gone" in worker.output
+        assert reference.wait(30) == 0
+
+
+def test_two_nodes_pipeline_parallel_give_one_process_tokens():
+    """PP 2 across two processes (one layer stage each, activations passed between processes)
+    gives the tokens of PP 2 in one process with two devices; both nodes then exit 0."""
+    port = free_port_pair()
+    pp2 = ("--tp", "1", "--pp", "2")
+    with nodes(Node(node_argv(0, 1, port, *pp2), devices=2),
+               Node(node_argv(0, 2, port, *pp2)),
+               Node(node_argv(1, 2, port, *pp2))) as (reference, leader, worker):
+        assert tokens(leader, 180) == tokens(reference, 180)
+        assert leader.wait(60) == 0, leader.output[-3000:]
+        assert worker.wait(BOUND) == 0, worker.output[-3000:]
         assert reference.wait(30) == 0
 
 
