@@ -18,6 +18,7 @@ from tiny_models import PagedRunner
 
 import jaxllm
 from jaxllm.layers import Fp8Weight, Int8Weight, linear, quantize_fp8, quantize_int8
+from jaxllm.quantization import compile_options as co
 from jaxllm.quantization import resolve_quantization
 
 HERE = os.path.dirname(__file__)
@@ -118,6 +119,9 @@ def test_load_time_quantization_through_load_model_and_the_engine_flag(method, s
     llm = jaxllm.LLM(TINY_QWEN, quantization=method, max_num_seqs=2, max_model_len=64,
                      enforce_eager=True, compilation_cache_dir=None, progress=False)
     assert llm.engine.model.quantization.method == method
+    # FP8 forwards compile with the measured autotune level (CPU accepts and ignores it).
+    assert llm.engine.runner._forward_options == (
+        {"xla_gpu_autotune_level": co.FP8_AUTOTUNE_LEVEL} if method == "fp8" else {})
     out = llm.generate(prompt_token_ids=[[1, 2, 3]],
                        sampling_params=jaxllm.SamplingParams(temperature=0, max_tokens=3),
                        use_tqdm=False)

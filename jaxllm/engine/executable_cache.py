@@ -58,6 +58,12 @@ _IGNORED_CONFIG = ("cache", "log", "dump", "traceback", "pprint", "mtls", "timeo
 PROGRAM_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXLLM_FP8_AUTOTUNE_LEVEL")
 
 
+def compile_lowered(lowered, compiler_options: dict | None = None):
+    """``lowered`` compiled, with XLA options for this executable alone when given."""
+    return lowered.compile(compiler_options=compiler_options) if compiler_options \
+        else lowered.compile()
+
+
 class ExecutableCache:
     """Compiled programs by key, on disk; counts what it loaded and what it compiled."""
 
@@ -111,16 +117,18 @@ class ExecutableCache:
     def contains(self, key: str) -> bool:
         return os.path.exists(os.path.join(self.directory, f"{key}-cache"))
 
-    def get_or_compile(self, name: str, jitted, args: tuple, static: dict, context: Any):
-        """``jitted.lower(*args, **static).compile()``, read from the cache when an entry for
-        the same program is there; else compiled and stored."""
+    def get_or_compile(self, name: str, jitted, args: tuple, static: dict, context: Any,
+                       compiler_options: dict | None = None):
+        """``jitted.lower(*args, **static).compile(compiler_options)``, read from the cache
+        when an entry for the same program is there; else compiled and stored. The options
+        must be part of ``context``: the key does not see them."""
         key = self.key(name, args, static, context)
         exe = self._load(key, name)
         if exe is not None:
             with self._lock:
                 self.num_loaded += 1
             return exe
-        exe = jitted.lower(*args, **static).compile()
+        exe = compile_lowered(jitted.lower(*args, **static), compiler_options)
         with self._lock:
             self.num_compiled += 1
         self._store(key, name, exe)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxllm.batch import BatchMetadata, PackedBatch, pack_batch
 from jaxllm.engine.buckets import BucketSpec, StepShape
+from jaxllm.engine.executable_cache import compile_lowered
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.engine.step_inputs import pack_step
@@ -29,6 +30,7 @@ from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.parallel import logits_sharding
 from jaxllm.parallel.distributed import put_from_host
+from jaxllm.quantization.compile_options import forward_compiler_options
 from jaxllm.sampling import (
     SamplerInput,
     SamplerOutput,
@@ -154,7 +156,10 @@ class ModelRunner:
         # Warm restarts: compiled programs read from disk without tracing (ExecutableCache);
         # the context is what shapes them besides their arguments.
         self.executable_cache = executable_cache
-        self._program_context = (program_key, model.unroll_layers, repr(model.quantization))
+        # FP8 forwards compile with a cheaper GEMM autotuning (compile_options.py says why).
+        self._forward_options = forward_compiler_options(model.quantization)
+        self._program_context = (program_key, model.unroll_layers, repr(model.quantization),
+                                 sorted(self._forward_options.items()))
         self._no_prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
         self._forward_exe: dict[tuple[StepShape, bool], tuple] = {}  # -> (exe, shardings)
         self._sample_exe: dict[tuple, object] = {}
@@ -256,7 +261,7 @@ class ModelRunner:
     def _forward_inputs(self, shape: StepShape, pooling: bool = False):
         batch = self._empty_batch(shape)
         return ("forward", self._programs.forward, (self.model.params, self._pool_spec, batch,
-                self._no_prev_tokens, None), {"pooling": pooling})
+                self._no_prev_tokens, None), {"pooling": pooling}, self._forward_options)
 
     def _sampler_inputs(self, key: tuple[int, int, SampleVariant]):
         rows, width, variant = key
@@ -267,16 +272,18 @@ class ModelRunner:
         md = build_sampling_metadata([], rows, width, BANNED_WIDTH, bitmask)
         return "sample", self._programs.sample, (logits, md), variant._asdict()
 
-    def _compile(self, name: str, jitted, args: tuple, static: dict):
+    def _compile(self, name: str, jitted, args: tuple, static: dict,
+                 compiler_options: dict | None = None):
         """``jitted`` lowered and compiled for ``args``, or read from the executable cache."""
         if self.executable_cache is None:
-            return jitted.lower(*args, **static).compile()
+            return compile_lowered(jitted.lower(*args, **static), compiler_options)
         return self.executable_cache.get_or_compile(name, jitted, args, static,
-                                                    self._program_context)
+                                                    self._program_context, compiler_options)
 
     def _cache_key(self, build, arg) -> str:
-        name, _, args, static = (self._forward_inputs(arg) if build == self._forward_executable
-                                 else self._sampler_inputs(arg))
+        name, _, args, static, *_ = (self._forward_inputs(arg)
+                                     if build == self._forward_executable
+                                     else self._sampler_inputs(arg))
         return self.executable_cache.key(name, args, static, self._program_context)
 
     def _empty_batch(self, shape: StepShape) -> PackedBatch:

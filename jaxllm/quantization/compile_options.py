@@ -19,9 +19,11 @@ import os
 from jaxllm.quantization.config import QuantizationConfig
 
 AUTOTUNE_ENV = "JAXLLM_FP8_AUTOTUNE_LEVEL"
-# NOTE: None (XLA's default, level 4) until benchmarks/fp8_compile_time.py has measured the
-# compile seconds and step times per level on the H200; then the chosen level goes here.
-FP8_AUTOTUNE_LEVEL: int | None = None
+# NOTE: level 1 measured on the H200 (benchmarks/fp8_compile_time.py, RESULTS.md "Issue 16:
+# the FP8 forward's compile time"): 7-8 s a bucket with cuBLASLt's FP8 GEMMs picked; level 0
+# compiles in 5-6 s but falls back to a non-FP8 GEMM 16-20x slower; level 4 timed FP8
+# algorithms for minutes a bucket.
+FP8_AUTOTUNE_LEVEL: int | None = 1
 
 
 def forward_compiler_options(quantization: QuantizationConfig | None,
