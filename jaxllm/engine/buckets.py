@@ -1,12 +1,40 @@
 """Padded shape buckets for the jitted step, so that nothing compiles after warm-up.
 
 A step's arrays have three sizes: T tokens, S sequences (= R sampled rows) and W block-table
-columns. Decode-only steps use T = S = a batch-size bucket (1, 2, 4, ..., max_num_seqs);
-steps holding any prompt chunk use T = a token bucket and S = min(T, the largest batch bucket).
-Token buckets are powers of two up to 256, then every 256 tokens (coarser past a 2048-token
-budget): past a few hundred tokens a step's matmuls are compute-bound, so a padded token costs
-as much as a real one, and a steady mix of ~256 decode rows plus a few prompt chunks would
-otherwise pad ~550 tokens to 1024.
+columns. Decode-only steps use T = S = a batch-size bucket (``batch_sizes``: 1 ..
+max_num_seqs); steps holding any prompt chunk use T = a token bucket (``token_sizes``: 16 ..
+max_num_batched_tokens) and S = min(T, the largest batch bucket).
+Both ladders follow one rule (``_ladder``): powers of two up to 128, then four sizes an octave
+(steps of a quarter of the octave's start, at least 64) up to 2048, then two an octave:
+
+    1 2 4 ... 128 192 256 320 384 448 512 640 768 896 1024 1280 ... 2048 3072 4096 6144 8192 ...
+
+Why: a small step reads all the weights whatever its size (memory-bound: padding is nearly
+free), but past ~150 rows (Llama-3-8B on an H200: 3.35 ms of weight reads against ~0.023 ms
+of GEMM a token) a padded row costs as much as a real one. Powers of two padded a decode step
+of 881 rows to 1024 (14% of a step's GEMM work, a trace at 1024 sequences); the finer steps
+bound the padding at 25% between 256 and 2048 rows. ``jaxllm.benchmarks.bucket_padding``
+(a model of the scheduler over 1000 sharegpt-like prompts, padding priced by that roofline)
+gives the trade against the number of programs each bucket compiles (padded time: what the
+padding adds to those steps' modelled time):
+
+    limits       step    ladder             buckets  padded time
+    256/2048     decode  powers of two        9        4.9%
+                         this rule           10        2.0%
+    1024/8192    decode  powers of two       11       21.3%
+                         this rule           18        5.9%
+                         every 64 past 128   22        4.3%
+    2048 tokens  mixed   before (256 steps)  12       27.0%  (served at 10 req/s)
+                         this rule           18        9.1%
+    8192 tokens  mixed   before (1024 steps) 14       33.2%  (served at 10 req/s)
+                         this rule           22        9.1%
+
+Past 2048 tokens, two sizes an octave: such mixed steps are a burst's prefill, nearly always
+full (padding ~0% offline), while each bucket there is an expensive compile. The same rule for
+both ladders keeps S of every mixed bucket a batch bucket (max_num_batched_tokens >=
+max_num_seqs), so samplers compile once per decode size. Warm-up programs (forwards + 3
+sampler variants a row count): 48 -> 58 at 256/2048, 58 -> 94 at 1024/8192, 59 -> 96 at
+1024/16384.
 W is a power of two (the reference attention's cost grows with W) or, for kernels whose cost
 follows the real lengths, always the maximum.
 """
@@ -16,6 +44,34 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
+DOUBLING_UP_TO = 128  # powers of two below this: small steps are memory-bound
+FINE_UP_TO = 2048  # four sizes an octave below this, two above
+MIN_STEP = 64
+
+
+def _ladder(lo: int, hi: int) -> tuple[int, ...]:
+    """``lo`` .. ``hi`` by the rule in the module docstring; always ends at ``hi``."""
+    sizes, size = [], lo
+    while size < hi:
+        sizes.append(size)
+        octave = 1 << (size.bit_length() - 1)  # the power of two at or below size
+        if size < DOUBLING_UP_TO:
+            size = 2 * octave
+        else:
+            size += max(MIN_STEP, octave // (4 if size < FINE_UP_TO else 2))
+    sizes.append(hi)
+    return tuple(sizes)
+
+
+def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode-only steps' buckets (T = S)."""
+    return _ladder(1, max_num_seqs)
+
+
+def token_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Mixed steps' token buckets (a prompt chunk is rarely under 16 tokens)."""
+    return _ladder(min(16, max_num_batched_tokens), max_num_batched_tokens)
+
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     sizes, size = [], lo
@@ -24,12 +80,6 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
         size *= 2
     sizes.append(hi)
     return tuple(sorted(set(sizes)))
-
-
-def _token_sizes(hi: int) -> tuple[int, ...]:
-    step = 256 * max(1, -(-hi // (8 * 256)))  # at most ~8 large buckets: each one compiles
-    small = _powers_of_two(min(16, hi), min(step, hi))
-    return tuple(sorted({*small, *range(step, hi, step), hi}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +99,8 @@ class BucketSpec:
     @classmethod
     def build(cls, max_num_seqs: int, max_num_batched_tokens: int, max_blocks_per_seq: int,
               bucket_table_width: bool) -> BucketSpec:
-        batch = _powers_of_two(1, max_num_seqs)
-        tokens = _token_sizes(max_num_batched_tokens)
+        batch = batch_sizes(max_num_seqs)
+        tokens = token_sizes(max_num_batched_tokens)
         widths = (_powers_of_two(min(4, max_blocks_per_seq), max_blocks_per_seq)
                   if bucket_table_width
                   else (max_blocks_per_seq,))
