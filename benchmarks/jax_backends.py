@@ -52,7 +52,9 @@ def make_engine(model, args):
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         disable_log_stats=True)
-    engine = LLMEngine(config, model=model, progress=not args.no_progress)
+    # The LLM class's default limits (offline: 16384 tokens a step on a large GPU).
+    engine = LLMEngine(config, model=model, progress=not args.no_progress,
+                       usage_context="llm_class")
     # Offline, as jaxllm.LLM.generate (and vLLM's LLM.generate): only finished requests come
     # back, no per-step partial output for every running request.
     engine.stream_outputs = False

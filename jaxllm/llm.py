@@ -31,9 +31,12 @@ class LLM:
         embedded default; ``engine_args``: any :class:`EngineConfig` field."""
         progress = engine_args.pop("progress", True)
         if isinstance(model, LoadedModel):
-            self.engine = LLMEngine(EngineConfig(**engine_args), model=model, progress=progress)
+            config = EngineConfig(**engine_args)
         else:
-            self.engine = LLMEngine(EngineConfig(model=model, **engine_args), progress=progress)
+            config, model = EngineConfig(model=model, **engine_args), None
+        # Offline: the LLM class's default limits (larger steps on large GPUs; resolve_limits).
+        self.engine = LLMEngine(config, model=model, progress=progress,
+                                usage_context="llm_class")
         self.engine.stream_outputs = False  # generate() only collects finished requests
         self._ids = itertools.count()
 

@@ -181,9 +181,11 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--block-size", type=int, default=16, choices=list(BLOCK_SIZES))
     engine.add_argument("--max-num-seqs", type=int, default=None,
-                        help="sequences per step (default: 256 on GPU, 32 on CPU)")
+                        help="sequences per step (default: 1024 on GPUs of >= 70 GiB other "
+                        "than A100, 256 on other GPUs, 32 on CPU)")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step (default: 2048 on GPU, 512 on CPU)")
+                        help="tokens per step (default: 8192 on GPUs of >= 70 GiB other than "
+                        "A100, 2048 on other GPUs, 512 on CPU)")
     engine.add_argument("--max-model-len", "--max-seq-len", dest="max_model_len", type=int,
                         default=None, help="context length (default: the model's)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)

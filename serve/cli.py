@@ -81,7 +81,7 @@ def _run_worker_node(engine_config: EngineConfig) -> int:
 
 def _serve_in_process(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     try:
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(engine_config, usage_context="api_server")
     except (JaxLLMError, ValueError, OSError) as e:
         print(f"jaxllm serve: error: {e}", file=sys.stderr)
         return 1

@@ -222,7 +222,7 @@ def run_engine_core(config: EngineConfig, address: str, lifelines: list, parent:
     from jaxllm.errors import JaxLLMError
 
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, usage_context="api_server")  # the server's defaults
     except (JaxLLMError, ValueError, OSError) as e:
         ready.send(("error", str(e)))
         sys.exit(1)

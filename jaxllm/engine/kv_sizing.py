@@ -59,6 +59,21 @@ def activation_bytes(model: LoadedModel, num_tokens: int, num_seqs: int, table_w
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
 
+def model_device(model: LoadedModel):
+    """The device that stands for all of the model's (their shares are equal)."""
+    return model.mesh.devices.flat[0] if model.mesh is not None else jax.devices()[0]
+
+
+def total_device_memory(device) -> int | None:
+    """An accelerator's memory in bytes (JAX's allocator limit over its fraction, as
+    plan_kv_blocks reads it); None on CPU or when the backend does not say."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_JAX_MEM_FRACTION))
+    return int(stats["bytes_limit"] / fraction)
+
+
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
                    cpu_kv_cache_space: float, swap_space: float,
                    num_gpu_blocks_override: int | None, max_num_seqs: int, max_model_len: int,
@@ -73,7 +88,7 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     # for all (their shares are equal).
     tp = model.tensor_parallel_size * model.pipeline_parallel_size
     device_block = per_block // tp
-    device = model.mesh.devices.flat[0] if model.mesh is not None else jax.devices()[0]
+    device = model_device(model)
     stats = device.memory_stats() if device.platform != "cpu" else None
     if num_gpu_blocks_override is not None:
         num_gpu = num_gpu_blocks_override
@@ -113,4 +128,5 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     return KVPlan(num_gpu, num_cpu, per_block, report)
 
 
-__all__ = ["KVPlan", "activation_bytes", "plan_kv_blocks"]
+__all__ = ["KVPlan", "activation_bytes", "model_device", "plan_kv_blocks",
+           "total_device_memory"]

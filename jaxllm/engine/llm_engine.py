@@ -28,7 +28,7 @@ from jaxllm.engine.engine_config import (
     resolve_unroll_layers,
 )
 from jaxllm.engine.executable_cache import ExecutableCache
-from jaxllm.engine.kv_sizing import plan_kv_blocks
+from jaxllm.engine.kv_sizing import model_device, plan_kv_blocks, total_device_memory
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.model_runner import (
     BANNED_WIDTH,
@@ -70,7 +70,9 @@ class _LaunchedStep:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, model: LoadedModel | None = None,
-                 *, progress: bool = True):
+                 *, progress: bool = True, usage_context: str = "engine"):
+        """``usage_context``: who builds the engine (``engine_config.USAGE_CONTEXTS``: the LLM
+        class, the API server or the bare engine), which picks the default limits."""
         config = config or EngineConfig()
         start = time.perf_counter()
         if config.enforce_eager:
@@ -108,8 +110,13 @@ class LLMEngine:
         loaded = time.perf_counter()
         self.model = model
         self.tokenizer = model.tokenizer
+        # Every node must resolve the same limits, and a worker cannot know its leader's
+        # usage: multi-node engines take the server's defaults.
+        device = model_device(model)
         config = resolve_limits(config, model.config.max_position_embeddings,
-                                jax.default_backend())
+                                jax.default_backend(), total_device_memory(device),
+                                device.device_kind,
+                                usage_context if config.nnodes == 1 else "api_server")
         max_model_len, max_batched = config.max_model_len, config.max_num_batched_tokens
         backend = resolve_backend(config.attention_backend)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
