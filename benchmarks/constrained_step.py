@@ -112,7 +112,7 @@ class Runner:
         return SimpleNamespace(shape=prepared.shape, logits=None, pooled=None)
 
     def launch_sampler(self, launched, rows, token_bitmask=None):
-        if token_bitmask is None and any(r.params.structured_outputs for r in rows):
+        if token_bitmask is None and rows.variant.use_bitmask:  # rows: a SamplerBatch
             raise ValueError("constrained rows need a token bitmask")
         end = self.device.run(self.args.sampler_ms)
         return Pending(self.replay, end, rows, token_bitmask, launched.shape.num_seqs)
@@ -192,6 +192,9 @@ class Replay:
         from jaxllm.engine.embeddings import EmbeddingRequests
 
         engine.embeddings = EmbeddingRequests()
+        from jaxllm.engine.sampler_table import SamplerTable
+
+        engine.sampler_table = SamplerTable(engine._banned_ids)
         engine.output_processor = OutputProcessor(tokenizer, eos, engine.scheduler.finish_seq)
         engine._inflight, engine._num_penalty_requests = None, 0
         engine.stream_outputs = False  # offline, as bench throughput runs
@@ -225,8 +228,8 @@ class Replay:
         if bitmask is None:
             return sampled
         words = bitmask[:, :-(-self.tokenizer_size // 32)].view(np.uint32)
-        for r, row in enumerate(rows):
-            if row.params.structured_outputs is None:
+        for r in range(len(rows)):
+            if (words[r] == 0xFFFFFFFF).all():  # unconstrained: every token allowed
                 continue
             nonzero = np.flatnonzero(words[r])
             w = int(nonzero[rng.integers(len(nonzero))])

@@ -60,14 +60,22 @@ class GcTimer:
 
     def __init__(self) -> None:
         self.seconds, self.collections, self.on, self._start = 0.0, 0, False, 0.0
+        self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]  # [collections, seconds]
         gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.seconds, self.collections = 0.0, 0
+        self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         elif self.on:
-            self.seconds += time.perf_counter() - self._start
+            seconds = time.perf_counter() - self._start
+            self.seconds += seconds
             self.collections += 1
+            self.by_generation[info["generation"]][0] += 1
+            self.by_generation[info["generation"]][1] += seconds
 
 
 _CURRENT: list[collections.Counter] = []  # the engine being measured's totals
@@ -156,7 +164,8 @@ def measure(args, num_seqs: int, prefix_caching: bool, gc_timer: GcTimer) -> dic
     stats = engine.stats
     update0, wait0, steps0 = stats.update_seconds, stats.device_wait_seconds, stats.num_steps
     per_step = []
-    gc_timer.seconds, gc_timer.collections, gc_timer.on = 0.0, 0, True
+    gc_timer.reset()
+    gc_timer.on = True
     for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
@@ -191,6 +200,9 @@ def measure(args, num_seqs: int, prefix_caching: bool, gc_timer: GcTimer) -> dic
             "phase_cpu_ms": {k: round(v, 3) for k, v in cpu_ms.items()},
             "gc_ms": round(1e3 * gc_timer.seconds / steps, 3),
             "gc_collections": gc_timer.collections,
+            # Per generation 0, 1, 2: collections in the timed steps, and ms a step in them.
+            "gc_by_generation": [[n, round(1e3 * sec / steps, 3)]
+                                 for n, sec in gc_timer.by_generation],
             "step_wall_ms_median": round(1e3 * float(np.median(per_step)), 3),
             "device_wait_ms": round(1e3 * (stats.device_wait_seconds - wait0) / steps, 3),
             "profile_top": _top_lines(text.getvalue(), args.top)}
@@ -237,6 +249,11 @@ def main() -> None:
             print(f"{r['num_seqs']:5d} {'on' if r['prefix_caching'] else 'off':>5} "
                   + " ".join(f"{r[key][p]:14.3f}" for p in PHASES)
                   + f" {r[total]:8.2f} {r['step_wall_ms_median']:8.2f} {r['gc_ms']:6.2f}")
+    print("\ngarbage collections in the timed steps, per generation 0/1/2 (count, ms a step):")
+    for r in runs:
+        print(f"{r['num_seqs']:5d} {'on' if r['prefix_caching'] else 'off':>5} "
+              + "  ".join(f"gen{g}: {n} {ms:.2f}" for g, (n, ms)
+                          in enumerate(r["gc_by_generation"])))
     for r in runs:
         print(f"\ncProfile, {r['num_seqs']} seqs, prefix caching "
               f"{'on' if r['prefix_caching'] else 'off'} ({args.profile_steps} steps):")

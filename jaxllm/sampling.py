@@ -256,8 +256,50 @@ def needs_penalties(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
+# The per-row fields of SamplingMetadata: (name, padding value, dtype).
+ROW_FIELDS = (("temperature", 0.0, np.float32), ("top_p", 1.0, np.float32),
+              ("top_k", 0, np.int32), ("min_p", 0.0, np.float32),
+              ("repetition_penalty", 1.0, np.float32), ("presence_penalty", 0.0, np.float32),
+              ("frequency_penalty", 0.0, np.float32), ("seeds", 0, np.uint32),
+              ("steps", 0, np.int32), ("num_prompt_tokens", 0, np.int32))
+
+
+@dataclasses.dataclass(slots=True)
+class SamplerBatch:
+    """A step's sampler rows as columns: what ``build_sampling_metadata``, ``sample_variant``
+    and ``penalty_width`` read. ``from_rows`` builds it from :class:`SamplerInput` s; the
+    engine gathers it from per-sequence numpy rows written when a sequence first samples
+    (``jaxllm.engine.sampler_table``), so a step costs no Python per row here."""
+
+    columns: dict[str, np.ndarray]  # ROW_FIELDS' names -> [N] each (unpadded, their dtype)
+    banned_ids: np.ndarray  # i32[N, K']  -1 padded, K' = the longest row's
+    # (row, prompt + output ids) of the rows that need penalties; the engine's live lists:
+    # their length is read when the metadata is built.
+    token_ids: list[tuple[int, Sequence[int] | np.ndarray]]
+    variant: SampleVariant
+
+    def __len__(self) -> int:
+        return len(self.columns["steps"])
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplerInput]) -> SamplerBatch:
+        params = [r.params for r in rows]
+        columns = {name: np.asarray([getattr(p, name) for p in params], dtype)
+                   for name, _, dtype in ROW_FIELDS[:7]}
+        columns["seeds"] = np.asarray([r.seed & 0xFFFFFFFF for r in rows], np.uint32)
+        columns["steps"] = np.asarray([r.step for r in rows], np.int32)
+        columns["num_prompt_tokens"] = np.asarray([r.num_prompt_tokens for r in rows], np.int32)
+        banned = np.full((len(rows), max((len(r.banned_ids) for r in rows), default=0)),
+                         PAD_ID, np.int32)  # [N, K']
+        for i, row in enumerate(rows):
+            banned[i, :len(row.banned_ids)] = row.banned_ids
+        token_ids = [(i, r.token_ids) for i, r in enumerate(rows)
+                     if r.token_ids is not None and needs_penalties(r.params)]
+        return cls(columns, banned, token_ids, _variant(params))
+
+
 def build_sampling_metadata(
-    rows: Sequence[SamplerInput],
+    rows: Sequence[SamplerInput] | SamplerBatch,
     num_rows_bucket: int,
     penalty_width_bucket: int,
     banned_width: int,
@@ -269,44 +311,31 @@ def build_sampling_metadata(
     rows whose penalties are neutral. ``token_bitmask`` (i32[R, W], R = num_rows_bucket) is
     the grammar's allowed tokens per row (use it with ``use_bitmask=True``).
     """
-    num = len(rows)
+    batch = rows if isinstance(rows, SamplerBatch) else SamplerBatch.from_rows(rows)
+    num = len(batch)
     if num > num_rows_bucket:
         raise ValueError(f"{num} rows do not fit num_rows_bucket={num_rows_bucket}")
     size = num_rows_bucket
-
-    def column(values: list, fill: float | int, dtype: type) -> np.ndarray:
-        out = np.full(size, fill, dtype)
-        out[:num] = values
-        return out
-
-    params = [r.params for r in rows]
+    columns = {}
+    for name, fill, dtype in ROW_FIELDS:
+        columns[name] = np.full(size, fill, dtype)
+        columns[name][:num] = batch.columns[name]
     banned = np.full((size, banned_width), PAD_ID, np.int32)  # [R, K]
+    width = batch.banned_ids.shape[1]
+    if width > banned_width:
+        lengths = (batch.banned_ids != PAD_ID).sum(axis=1)
+        i = int(np.argmax(lengths > banned_width))
+        raise ValueError(f"row {i} bans {int(lengths[i])} ids; banned_width={banned_width}")
+    banned[:num, :width] = batch.banned_ids
     tokens = np.full((size, penalty_width_bucket), PAD_ID, np.int32)  # [R, P]
-    for i, row in enumerate(rows):
-        if row.banned_ids:
-            if len(row.banned_ids) > banned_width:
-                raise ValueError(f"row {i} bans {len(row.banned_ids)} ids; "
-                                 f"banned_width={banned_width}")
-            banned[i, :len(row.banned_ids)] = row.banned_ids
-        if (penalty_width_bucket and row.token_ids is not None and len(row.token_ids)
-                and needs_penalties(row.params)):  # neutral rows need no counts
-            if len(row.token_ids) > penalty_width_bucket:
-                raise ValueError(f"row {i} has {len(row.token_ids)} tokens; "
+    if penalty_width_bucket:  # neutral rows need no counts
+        for i, ids in batch.token_ids:
+            if len(ids) > penalty_width_bucket:
+                raise ValueError(f"row {i} has {len(ids)} tokens; "
                                  f"penalty_width_bucket={penalty_width_bucket}")
-            tokens[i, :len(row.token_ids)] = row.token_ids
+            tokens[i, :len(ids)] = ids
     return SamplingMetadata(
-        temperature=column([p.temperature for p in params], 0.0, np.float32),
-        top_p=column([p.top_p for p in params], 1.0, np.float32),
-        top_k=column([p.top_k for p in params], 0, np.int32),
-        min_p=column([p.min_p for p in params], 0.0, np.float32),
-        repetition_penalty=column([p.repetition_penalty for p in params], 1.0, np.float32),
-        presence_penalty=column([p.presence_penalty for p in params], 0.0, np.float32),
-        frequency_penalty=column([p.frequency_penalty for p in params], 0.0, np.float32),
-        seeds=column([r.seed & 0xFFFFFFFF for r in rows], 0, np.uint32),
-        steps=column([r.step for r in rows], 0, np.int32),
-        banned_ids=banned,
-        token_ids=tokens,
-        num_prompt_tokens=column([r.num_prompt_tokens for r in rows], 0, np.int32),
+        **columns, banned_ids=banned, token_ids=tokens,
         token_bitmask=(np.zeros((size, 0), np.int32) if token_bitmask is None
                        else token_bitmask),
     )
@@ -322,12 +351,17 @@ class SampleVariant(NamedTuple):
     use_bitmask: bool = False
 
 
-def sample_variant(rows: Sequence[SamplerInput]) -> SampleVariant:
+def sample_variant(rows: Sequence[SamplerInput] | SamplerBatch) -> SampleVariant:
     """The cheapest variant of ``sample`` that is right for these rows (padding needs none).
 
     ``num_logprobs`` is the largest request; round it up (to 0 or 20, say) to compile less.
     """
-    params = [r.params for r in rows]
+    if isinstance(rows, SamplerBatch):
+        return rows.variant
+    return _variant([r.params for r in rows])
+
+
+def _variant(params: Sequence[SamplingParams]) -> SampleVariant:
     return SampleVariant(
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         use_penalties=any(needs_penalties(p) for p in params),
@@ -357,8 +391,10 @@ def scalar_variant(*, temperature: Any = 1.0, top_k: Any = 0, top_p: Any = 1.0,
                          use_top_k_top_p=not (all_greedy or unfiltered))
 
 
-def penalty_width(rows: Sequence[SamplerInput]) -> int:
+def penalty_width(rows: Sequence[SamplerInput] | SamplerBatch) -> int:
     """Tokens the penalty variant must see (0 when no row needs penalties); round it up to a
     bucket before calling ``build_sampling_metadata``."""
+    if isinstance(rows, SamplerBatch):
+        return max((len(ids) for _, ids in rows.token_ids), default=0)
     return max((len(r.token_ids) for r in rows
                 if r.token_ids is not None and needs_penalties(r.params)), default=0)

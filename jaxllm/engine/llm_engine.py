@@ -42,13 +42,14 @@ from jaxllm.engine.multihost import NodeGroup
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
 from jaxllm.engine.request_outputs import StopDecision, core_output, needs_every_step
+from jaxllm.engine.sampler_table import SamplerTable
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup, SequenceStatus
 from jaxllm.engine.stats import EngineStats
 from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling import SamplerInput, needs_penalties
+from jaxllm.sampling import SamplerBatch, needs_penalties
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.structured import GrammarCompiler, GrammarTask, StructuredOutputs
 
@@ -60,7 +61,7 @@ class _LaunchedStep:
     """A launched step whose tokens are not recorded yet."""
 
     out: SchedulerOutput
-    rows: list[SamplerInput]  # out.sample_rows as sampler rows
+    rows: SamplerBatch  # out.sample_rows as sampler rows
     constrained: list[int]  # sample rows under a grammar
     positions: list[int] = dataclasses.field(default_factory=list)  # each row's token position
     pending: PendingStep | None = None  # None until the sampler is launched
@@ -163,6 +164,7 @@ class LLMEngine:
         self.structured = None if self.tokenizer is None else StructuredOutputs(
             GrammarCompiler(self.tokenizer, model.config.vocab_size, self.eos_token_ids))
         self.embeddings = EmbeddingRequests()
+        self.sampler_table = SamplerTable(self._banned_ids)  # sampler settings per sequence
         self._rng = np.random.default_rng(config.seed)
         self._groups: dict[str, SequenceGroup] = {}
         self._prompts: dict[str, str | None] = {}
@@ -341,17 +343,20 @@ class LLMEngine:
                 prev: PendingStep | None) -> _LaunchedStep:
         """Launches a scheduled step: all of it, or only its forward when a row is
         constrained (the sampler waits for the bitmask)."""
-        rows = [self._sampler_row(r.seq, r.group) for r in out.sample_rows]
-        constrained = [r for r, row in enumerate(out.sample_rows)
-                       if row.group.params.structured_outputs is not None]
+        samples = out.sample_rows
+        rows = self.sampler_table.batch(samples)
+        constrained = self.sampler_table.constrained(samples) if rows.variant.use_bitmask \
+            else []
         step = _LaunchedStep(out, rows, constrained,
                              forward=self.runner.launch_forward(prepared, prev))
         if not constrained:
             step.pending, step.forward = self.runner.launch_sampler(step.forward, rows), None
-        for r, row in enumerate(out.sample_rows):  # their ids are known after the step
-            step.positions.append(len(row.seq.token_ids))
-            row.seq.pending[step.positions[-1]] = r
-            row.seq.token_ids.append(PLACEHOLDER_TOKEN)
+        positions = step.positions
+        for r, row in enumerate(samples):  # their ids are known after the step
+            tokens = row.seq.token_ids
+            positions.append(len(tokens))
+            row.seq.pending[len(tokens)] = r
+            tokens.append(PLACEHOLDER_TOKEN)
         return step
 
     def _finish_launch(self, step: _LaunchedStep) -> None:
@@ -378,7 +383,10 @@ class LLMEngine:
         embeddings = self.embeddings
         embeddings.record(out, result)
         num_embedded = 0
-        for r, row in enumerate(out.sample_rows):
+        with_embeddings = embeddings.in_step(out)
+        if not with_embeddings:  # every row a token: the batched path
+            self.output_processor.fill_tokens(out.sample_rows, result, positions)
+        for r, row in enumerate(out.sample_rows if with_embeddings else ()):
             seq = row.seq
             if seq.seq_id in embeddings:  # an embedding request: no token, it is done
                 seq.pending.pop(positions[r], None)
@@ -437,13 +445,6 @@ class LLMEngine:
             [s.seq.seq_id for s in samples], tokens, missing, fill, [s.seq.seq_id for s in filled],
             fill_missing, following.forward.shape.num_seqs if need_mask else 0, self.stats), rows
 
-    def _sampler_row(self, seq: Sequence, group: SequenceGroup) -> SamplerInput:
-        params = group.params
-        banned = self._banned_ids(params) if seq.num_output_tokens < params.min_tokens else ()
-        return SamplerInput(params=params, seed=seq.seed, step=seq.num_output_tokens,
-                            banned_ids=banned, token_ids=seq.token_ids,
-                            num_prompt_tokens=seq.num_prompt_tokens)
-
     def _banned_ids(self, params: SamplingParams) -> tuple[int, ...]:
         eos = () if params.ignore_eos else self.eos_token_ids
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
@@ -474,6 +475,7 @@ class LLMEngine:
         for seq in group.seqs:
             reason = seq.status.finish_reason or "abort"
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+            self.sampler_table.remove(seq.seq_id)
         self._groups.pop(group.request_id, None)
         if self.structured is not None and group.params.structured_outputs is not None:
             for seq in group.seqs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Sequence_
 from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -18,6 +19,7 @@ from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # host arrays only: this module never imports jax
     from jaxllm.engine.model_runner import StepResult
+    from jaxllm.engine.scheduler_output import ScheduledSample
 
 
 class OutputProcessor:
@@ -80,6 +82,31 @@ class OutputProcessor:
             seq.stop_reason = stop_reason
             self._finish_seq(seq, status)
         self._pending.append((seq, group, token, stopped_by_token))
+
+    def fill_tokens(self, samples: Sequence_[ScheduledSample], result: StepResult,
+                    positions: Sequence_[int]) -> None:
+        """``fill_token`` for every sample row of a step (row r = ``samples[r]``), with the
+        commonest case inline: a running sequence whose token ends nothing, without
+        logprobs asked, past its first token. It runs for every row every step."""
+        count = len(samples)
+        tokens = result.sampled[:count].tolist()  # one conversion, not a numpy scalar a row
+        logprobs = result.logprob[:count].tolist()
+        eos, pending = self.eos_token_ids, self._pending
+        for r, row in enumerate(samples):
+            seq, group, token, pos = row.seq, row.group, tokens[r], positions[r]
+            params = group.params
+            if (seq.status.is_finished or params.logprobs is not None
+                    or group.metrics.first_token_time is None
+                    or pos + 1 - len(seq.prompt_token_ids) >= seq.output_limit
+                    or token in params.stop_token_ids
+                    or (token in eos and not params.ignore_eos)):
+                self.fill_token(seq, group, result, r, pos)
+                continue
+            seq.pending.pop(pos, None)
+            seq.token_ids[pos] = token
+            seq.cumulative_logprob += logprobs[r]
+            seq.stopped_by_token = False
+            pending.append((seq, group, token, False))
 
     def finish_grammar(self, seq: Sequence, pos: int) -> None:
         """Stops a sequence whose grammar its token at ``pos`` completed, learned after

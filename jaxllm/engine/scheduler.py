@@ -55,6 +55,9 @@ class Scheduler:
         self._keys: dict[str, tuple] = {}
         self._finished: list[SequenceGroup] = []  # finished, not yet popped
         self._maybe_finished = False  # set by finish_seq: a running group may be done
+        self._running_sorted = True  # running is in policy order (_key)
+        # A decoding sequence's sample row, the same every step: seq id -> ScheduledSample.
+        self._samples: dict[int, ScheduledSample] = {}
 
     # ------------------------------------------------------------------ queues
     def add(self, group: SequenceGroup) -> None:
@@ -90,6 +93,7 @@ class Scheduler:
 
     def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
         self.block_manager.free(seq.seq_id)
+        self._samples.pop(seq.seq_id, None)
         seq.status = status
         self._maybe_finished = True
 
@@ -144,13 +148,11 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if self.config.policy == "priority":
             self._preempt_for_priority(out)
-        self.running.sort(key=self._key)
+        if not self._running_sorted:  # keys never change: only admissions unsort it
+            self.running.sort(key=self._key)
+            self._running_sorted = True
         preempted_before = len(out.preempted)
-        index = 0
-        while index < len(self.running):
-            group = self.running[index]
-            if self._schedule_running(group, budget, out):
-                index += 1
+        self._schedule_all_running(budget, out)
         if len(out.preempted) == preempted_before:
             self._admit(budget, out)
         out.block_tables, out.num_blocks = self.block_manager.block_tables(
@@ -161,8 +163,6 @@ class Scheduler:
                           out: SchedulerOutput) -> bool:
         """Schedules a running group's missing tokens. False if the group itself was
         preempted (it has left ``running``)."""
-        if len(group.seqs) == 1 and self._schedule_decode(group, group.seqs[0], budget, out):
-            return True
         planned: list[tuple[Sequence, int]] = []
         tokens, seqs = budget.tokens, budget.seqs
         for seq in group.seqs_with_status(SequenceStatus.RUNNING):
@@ -197,32 +197,50 @@ class Scheduler:
                 break
         return True
 
-    def _schedule_decode(self, group: SequenceGroup, seq: Sequence, budget: _Budget,
-                         out: SchedulerOutput) -> bool:
-        """What the general path does for its commonest case, a lone running sequence one
-        token behind, with ~3x less host time (it runs for every running sequence every
-        step). False, having changed nothing, for any other case (preemption included)."""
-        if seq.status is not SequenceStatus.RUNNING or group.params.n != 1:
-            return False
-        if seq.pending and seq.reached_output_limit:
-            return True  # its last token is being sampled: it finishes when that arrives
-        computed = seq.num_computed_tokens
-        if len(seq.token_ids) != computed + 1 or not budget.tokens or not budget.seqs:
-            return False
-        bm = self.block_manager
+    def _schedule_all_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+        """``_schedule_running`` for each running group in order (which may preempt, removing
+        groups), with its commonest case inline as it runs for every sequence every step: a
+        lone running sequence one token behind (a decode)."""
+        running, bs, samples = self.running, self.block_size, self._samples
+        # Without prefix caching a token inside the sequence's own last block needs nothing
+        # from the block manager (allocate_slots returns [] unchanged): the block holds this
+        # sequence's earlier tokens, so it is neither a cache hit nor shared (n = 1).
+        skip_inner = not self.block_manager.enable_prefix_caching
+        index = 0
+        while index < len(running):
+            group = running[index]
+            seq = group.seqs[0]
+            if (len(group.seqs) == 1 and group.params.n == 1
+                    and seq.status is SequenceStatus.RUNNING):
+                tokens, computed = seq.token_ids, seq.num_computed_tokens
+                if seq.pending and (len(tokens) - len(seq.prompt_token_ids)
+                                    >= seq.output_limit):
+                    index += 1  # its last token is being sampled: it finishes then
+                    continue
+                if len(tokens) == computed + 1 and budget.tokens and budget.seqs and (
+                        (skip_inner and computed % bs) or self._decode_slot(seq, out)):
+                    out.scheduled.append(ScheduledSeq(seq, computed, 1))
+                    seq.num_computed_tokens = computed + 1
+                    budget.tokens -= 1
+                    budget.seqs -= 1
+                    row = samples.get(seq.seq_id)
+                    if row is None:  # (seq, seq, group) never changes: made once
+                        row = samples[seq.seq_id] = ScheduledSample(seq, seq, group)
+                    out.sample_rows.append(row)
+                    index += 1
+                    continue
+            if self._schedule_running(group, budget, out):
+                index += 1
+
+    def _decode_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A decode's slot; False, changing nothing, if it needs a preemption first."""
+        bm, tokens, computed = self.block_manager, seq.token_ids, seq.num_computed_tokens
         if computed % self.block_size == 0 and not bm.num_free_blocks:
-            return False  # needs a block, and a preemption to get it
-        copies = bm.allocate_slots(seq.seq_id, seq.token_ids, computed, 1,
-                                   num_cacheable_tokens=len(seq.token_ids) - len(seq.pending))
-        if copies is None:
             return False
-        out.blocks_to_copy.extend(copies)
-        out.scheduled.append(ScheduledSeq(seq, computed, 1))
-        seq.num_computed_tokens = computed + 1
-        budget.tokens -= 1
-        budget.seqs -= 1
-        out.sample_rows.append(ScheduledSample(seq, seq, group))
-        return True
+        copies = bm.allocate_slots(seq.seq_id, tokens, computed, 1,
+                                   num_cacheable_tokens=len(tokens) - len(seq.pending))
+        out.blocks_to_copy.extend(copies or ())
+        return copies is not None
 
     def _blocks_needed(self, planned: list[tuple[Sequence, int]], shared: bool) -> int:
         """Upper bound of new blocks (one copy-on-write block each when blocks are shared)."""
@@ -273,6 +291,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
         self.swapped.remove(group)
         self.running.append(group)
+        self._running_sorted = False
         self._schedule_running(group, budget, out)
         return True
 
@@ -286,6 +305,7 @@ class Scheduler:
             return False
         self.waiting.remove(group)
         self.running.append(group)
+        self._running_sorted = False
         for seq in seqs[1:]:
             if not self._admit_seq(group, seq, budget, out):
                 break
