@@ -98,6 +98,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="jaxllm: the KV pool's dtype (fp8: half the bytes of bf16)")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None)
     e.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                    help="unrolled layer stack over a per-layer KV pool, for jaxllm and "

@@ -218,8 +218,8 @@ class ModelRunner:
                                "compile_seconds": time.perf_counter() - loaded_at}
         if release:
             self.kv_pool = self._new_pool()
-        for size in self.buckets.batch_sizes:
-            ids = np.zeros((size,), np.int32)
+        for size in sorted({_pad_to_power_of_two(s) for s in self.buckets.batch_sizes}):
+            ids = np.zeros((size,), np.int32)  # block moves are padded as copy_blocks pads them
             self.kv_pool = self._programs.copy(self.kv_pool, ids, ids)
         jax.block_until_ready(self.kv_pool)
         return time.perf_counter() - start

@@ -1,0 +1,153 @@
+"""``python -m jaxllm.benchmarks.launch_anatomy``: what the host spends launching one step of
+a large model, split by what the executable holds.
+
+Why: the 8B forward's call holds the host ~3.3 ms before it returns (RESULTS.md, "What an
+executable call costs the host"), so small steps (batch-1 decode, the long tail of an
+offline run, AWQ at batch 1) are bound by the launch, not by the device. Whether that is the
+~260 arguments, the ~600 kernels, or the Pallas calls inside the command buffers decides the
+fix. Each variant is one jitted step (forward + greedy sample, the pool donated) of the model
+with dummy weights, timed per call: ``launch`` = until the call returns (the host's cost),
+``step`` = until its tokens are ready. Variants (``--variants``):
+
+- ``unrolled``: the engine's GPU layout (per-layer params and pool) with the Pallas kernels;
+- ``unrolled-xla-attention``: the same with XLA's reference attention (no Pallas calls);
+- ``stacked``: layers stacked and scanned (a loop in one executable, ~30 arguments);
+- ``args-only``: an executable taking the unrolled step's arguments and doing one tiny op
+  (the cost of handing ~260 device buffers to an executable, nothing else).
+
+Printed per variant and bucket: the HLO's fusion and custom-call counts, launch and step ms
+(medians); the JSON holds every figure.
+
+    python -m jaxllm.benchmarks.launch_anatomy --buckets 1x1,256x1 --output-json launch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+
+import numpy as np
+
+VARIANTS = ("unrolled", "unrolled-xla-attention", "stacked", "args-only")
+
+
+def _step(model, seqs: int, context: int, block_size: int, attention: str):
+    """A decode step of ``seqs`` sequences after ``context`` cached tokens: the jitted
+    function, its pool and its batch (as ``fp8_compile_time``'s, with a chosen attention)."""
+    import jax
+
+    from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
+    from jaxllm.sampling import build_sampling_metadata, sample
+
+    cfg = model.config
+    per_seq = -(-(context + 1) // block_size)
+    pool = new_kv_pool(cfg, 1 + seqs * per_seq, block_size, model.dtype,
+                       unroll_layers=model.unroll_layers, mesh=model.mesh)
+    chunks = [SeqChunk([100 + i % 50], context, list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)))
+              for i in range(seqs)]
+    batch = jax.device_put(pack_batch(chunks, block_size))
+    forward = make_forward(cfg, model.dtype, attention, model.mesh)
+    greedy = build_sampling_metadata([], seqs, 0, 0)
+
+    def step(params, kv_pool, batch):
+        logits, kv_pool = forward(params, kv_pool, batch)
+        return sample(logits, greedy, all_greedy=True, use_top_k_top_p=False).sampled, kv_pool
+
+    return jax.jit(step, donate_argnums=(1,)), pool, batch
+
+
+def _args_only():
+    import jax
+
+    def touch(params, kv_pool, batch):
+        del params, kv_pool
+        return jax.tree.leaves(batch)[0] + 1
+
+    return jax.jit(touch)
+
+
+def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float]:
+    """Median launch and step ms; ``args[1]`` (the pool) is replaced by the donated output."""
+    import jax
+
+    launches, steps = [], []
+    for i in range(iters + 3):
+        jax.block_until_ready(args)
+        t = time.perf_counter()
+        out = exe(*args)
+        launched = time.perf_counter()
+        jax.block_until_ready(out)
+        done = time.perf_counter()
+        if donate:
+            args[1] = out[1]
+        if i >= 3:
+            launches.append(launched - t)
+            steps.append(done - t)
+    return 1e3 * float(np.median(launches)), 1e3 * float(np.median(steps))
+
+
+def _hlo_counts(exe) -> dict:
+    text = exe.as_text()
+    return {"fusions": len(re.findall(r" fusion\(", text)),
+            "custom_calls": len(re.findall(r" custom-call\(", text)),
+            "whiles": len(re.findall(r" while\(", text))}
+
+
+def run(args) -> dict:
+    import jax
+    from jaxllm.benchmarks.provenance import source_commit, write_json
+
+    import jaxllm
+
+    result = {"commit": source_commit(), "model": args.model, "context_len": args.context_len,
+              "devices": [str(d) for d in jax.devices()], "rows": []}
+    variants = args.variants.split(",")
+    for name in variants:
+        if name not in VARIANTS:
+            raise ValueError(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
+    print(f"{'variant':<24}{'bucket':>8}{'args':>6}{'fusions':>9}{'calls':>7}{'whiles':>8}"
+          f"{'launch ms':>11}{'step ms':>10}", flush=True)
+    for unrolled in (True, False):
+        names = [n for n in variants if (n == "stacked") != unrolled]
+        if not names:
+            continue
+        model = jaxllm.load_model(args.model, dtype="bfloat16", load_format="dummy",
+                                  unroll_layers=unrolled)
+        jax.block_until_ready(model.params)
+        for bucket in args.buckets.split(","):
+            seqs = int(bucket.split("x")[0])
+            for name in names:
+                attention = "reference" if name == "unrolled-xla-attention" else "auto"
+                fn, pool, batch = _step(model, seqs, args.context_len, args.block_size,
+                                        attention)
+                call_args = [model.params, pool, batch]
+                exe = (_args_only() if name == "args-only" else fn).lower(*call_args).compile()
+                launch, step = _time(exe, call_args, args.iters, name != "args-only")
+                row = {"variant": name, "bucket": bucket, "launch_ms": launch, "step_ms": step,
+                       "num_args": len(jax.tree.leaves(call_args)), **_hlo_counts(exe)}
+                result["rows"].append(row)
+                write_json(result, args.output_json)
+                print(f"{name:<24}{bucket:>8}{row['num_args']:>6}{row['fusions']:>9}"
+                      f"{row['custom_calls']:>7}{row['whiles']:>8}{launch:>11.3f}{step:>10.3f}",
+                      flush=True)
+                del call_args, pool, exe
+        del model
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--buckets", default="1x1,256x1",
+                        help="SEQSx1: a decode step of SEQS sequences")
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--output-json", default=None)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
