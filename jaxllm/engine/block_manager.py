@@ -191,7 +191,11 @@ class BlockManager:
             table = seq.table
             index = num_computed_tokens // bs
             if index < len(table) and table[index].ref_cnt == 1 and seq.cpu_table is None:
-                if self.enable_prefix_caching:
+                # Prefix caching: a block to register once in block_size calls (the check
+                # inline: this runs for every decoding sequence every step).
+                if self.enable_prefix_caching and min(
+                        num_tokens, num_tokens if num_cacheable_tokens is None
+                        else num_cacheable_tokens) // bs > len(seq.block_hashes):
                     self._cache_full_blocks(seq, token_ids, num_tokens, num_cacheable_tokens)
                 return []
         if seq is not None and seq.cpu_table is not None:

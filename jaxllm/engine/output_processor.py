@@ -91,11 +91,11 @@ class OutputProcessor:
         count = len(samples)
         tokens = result.sampled[:count].tolist()  # one conversion, not a numpy scalar a row
         logprobs = result.logprob[:count].tolist()
-        eos, pending = self.eos_token_ids, self._pending
+        eos, pending, running = self.eos_token_ids, self._pending, SequenceStatus.RUNNING
         for r, row in enumerate(samples):
             seq, group, token, pos = row.seq, row.group, tokens[r], positions[r]
             params = group.params
-            if (seq.status.is_finished or params.logprobs is not None
+            if (seq.status is not running or params.logprobs is not None
                     or group.metrics.first_token_time is None
                     or pos + 1 - len(seq.prompt_token_ids) >= seq.output_limit
                     or token in params.stop_token_ids

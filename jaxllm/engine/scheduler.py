@@ -54,7 +54,10 @@ class Scheduler:
         self._order = itertools.count()  # tie-breaker: admission order
         self._keys: dict[str, tuple] = {}
         self._finished: list[SequenceGroup] = []  # finished, not yet popped
-        self._maybe_finished = False  # set by finish_seq: a running group may be done
+        # Sequences finished since the last collection, and each sequence's group: a step
+        # looks at the groups whose sequences finished, not at every group.
+        self._finishing: list[Sequence] = []
+        self._group_of: dict[int, SequenceGroup] = {}
         self._running_sorted = True  # running is in policy order (_key)
         # A decoding sequence's sample row, the same every step: seq id -> ScheduledSample.
         self._samples: dict[int, ScheduledSample] = {}
@@ -78,6 +81,7 @@ class Scheduler:
         else:
             key = (group.arrival_time, next(self._order))
         self._keys[group.request_id] = key
+        self._group_of.update((seq.seq_id, group) for seq in group.seqs)
         self.waiting.append(group)
 
     def abort(self, request_id: str) -> SequenceGroup | None:
@@ -88,6 +92,8 @@ class Scheduler:
                     for seq in group.unfinished_seqs():
                         self.finish_seq(seq, SequenceStatus.FINISHED_ABORTED)
                     self._keys.pop(request_id, None)
+                    for seq in group.seqs:
+                        self._group_of.pop(seq.seq_id, None)
                     return group
         return None
 
@@ -95,7 +101,7 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         self._samples.pop(seq.seq_id, None)
         seq.status = status
-        self._maybe_finished = True
+        self._finishing.append(seq)
 
     def pop_finished(self) -> list[SequenceGroup]:
         """Removes and returns groups whose every sequence has finished."""
@@ -103,19 +109,23 @@ class Scheduler:
         done, self._finished = self._finished, []
         for group in done:
             self._keys.pop(group.request_id, None)
+            for seq in group.seqs:
+                self._group_of.pop(seq.seq_id, None)
         return done
 
     def _collect_finished(self) -> None:
-        if not self._maybe_finished:
+        if not self._finishing:
             return
-        self._maybe_finished = False
+        groups = (self._group_of.get(seq.seq_id) for seq in self._finishing)
+        done = {id(g) for g in groups if g is not None and g.is_finished}
+        self._finishing = []
         # Waiting or swapped groups finish too when a token sampled before their
         # preemption turns out to be their last.
-        for name in ("running", "waiting", "swapped"):
+        for name in ("running", "waiting", "swapped") if done else ():
             queue = getattr(self, name)
-            if any(g.is_finished for g in queue):
-                self._finished += [g for g in queue if g.is_finished]
-                setattr(self, name, [g for g in queue if not g.is_finished])
+            if any(id(g) in done for g in queue):
+                self._finished += [g for g in queue if id(g) in done]
+                setattr(self, name, [g for g in queue if id(g) not in done])
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._finished)
@@ -354,6 +364,7 @@ class Scheduler:
                 child = seq.fork(self._next_seq_id(), index, seed=seq.seed + index)
                 self.block_manager.fork(seq.seq_id, child.seq_id)
                 group.seqs.append(child)
+                self._group_of[child.seq_id] = group
                 out.sample_rows.append(ScheduledSample(child, seq, group))
                 budget.seqs -= 1
 

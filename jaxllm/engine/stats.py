@@ -44,14 +44,15 @@ class EngineStats:
                 running: list[SequenceGroup]) -> None:
         """Counts one recorded step: its prompt and generated tokens, and the KV slots the
         running sequences reserve and fill."""
-        for item in out.scheduled:
-            end = min(item.seq.num_prompt_tokens, item.start + item.num_new_tokens)
-            self.prompt_tokens += max(0, end - item.start)
+        # One pass each (no call per row): these run over every running sequence every step.
+        self.prompt_tokens += sum([
+            min(len(i.seq.prompt_token_ids), i.start + i.num_new_tokens) - i.start
+            for i in out.scheduled if i.start < len(i.seq.prompt_token_ids)])
         self.generation_tokens += len(out.sample_rows) - num_embedded
         bm = block_manager
         self.kv_slots_capacity += (bm.num_gpu_blocks - 1) * bm.block_size  # block 0: null
         # Every GPU block table belongs to a running sequence: one sum over the manager's
         # numpy rows, not a Python call per sequence.
         self.kv_slots_reserved += bm.num_table_blocks() * bm.block_size
-        self.kv_slots_used += sum(seq.num_computed_tokens for group in running
-                                  for seq in group.seqs if seq.status is SequenceStatus.RUNNING)
+        self.kv_slots_used += sum([seq.num_computed_tokens for group in running
+                                   for seq in group.seqs if seq.status is SequenceStatus.RUNNING])
