@@ -82,6 +82,10 @@ class BlockManager:
         # The same GPU tables as numpy rows, written where they change: a step's tables are
         # one gather (block_tables) instead of a list per sequence rebuilt every step.
         self.tables = BlockTables()
+        # Prefix caching: seq id -> the known-token count at which its next block is full and
+        # gets registered. Below it, one token into the seq's own unshared last block changes
+        # nothing, which the scheduler checks without calling allocate_slots.
+        self.register_at: dict[int, int] = {}
 
     # ---- accounting ------------------------------------------------------------------------------
 
@@ -196,7 +200,8 @@ class BlockManager:
                 if self.enable_prefix_caching and min(
                         num_tokens, num_tokens if num_cacheable_tokens is None
                         else num_cacheable_tokens) // bs > len(seq.block_hashes):
-                    self._cache_full_blocks(seq, token_ids, num_tokens, num_cacheable_tokens)
+                    self._cache_full_blocks(seq_id, seq, token_ids, num_tokens,
+                                            num_cacheable_tokens)
                 return []
         if seq is not None and seq.cpu_table is not None:
             raise ValueError(f"seq {seq_id} is swapped out; swap_in before allocate_slots")
@@ -250,11 +255,11 @@ class BlockManager:
             self.tables.row(seq_id)  # a row even while the table is empty
         seq.block_hashes = hashes  # a new list only when cached_blocks were attached
         if self.enable_prefix_caching:
-            self._cache_full_blocks(seq, token_ids, num_tokens, num_cacheable_tokens)
+            self._cache_full_blocks(seq_id, seq, token_ids, num_tokens, num_cacheable_tokens)
         return copies
 
-    def _cache_full_blocks(self, seq: _SeqBlocks, token_ids: Sequence[int], num_tokens: int,
-                           num_cacheable_tokens: int | None) -> None:
+    def _cache_full_blocks(self, seq_id: int, seq: _SeqBlocks, token_ids: Sequence[int],
+                           num_tokens: int, num_cacheable_tokens: int | None) -> None:
         """Registers the seq's blocks that are full once ``num_tokens`` are written (capped
         at ``num_cacheable_tokens``) in the prefix cache."""
         cacheable = num_tokens if num_cacheable_tokens is None else min(
@@ -262,11 +267,11 @@ class BlockManager:
         num_full = cacheable // self.block_size
         hashes = seq.block_hashes
         start = len(hashes)
-        if num_full <= start:
-            return
-        self._extend_hash_chain(hashes, token_ids, num_full)
-        for i in range(start, num_full):
-            self.gpu_pool.cache_block(seq.table[i], hashes[i])  # keeps an existing entry
+        if num_full > start:
+            self._extend_hash_chain(hashes, token_ids, num_full)
+            for i in range(start, num_full):
+                self.gpu_pool.cache_block(seq.table[i], hashes[i])  # keeps an existing entry
+        self.register_at[seq_id] = (len(hashes) + 1) * self.block_size
 
     def _extend_hash_chain(
         self, hashes: list[BlockHash], token_ids: Sequence[int], num_full_blocks: int
@@ -298,6 +303,7 @@ class BlockManager:
         if seq is None:
             return
         self.tables.remove(seq_id)
+        self.register_at.pop(seq_id, None)
         if seq.cpu_table is not None:
             self.cpu_pool.free_blocks(reversed(seq.cpu_table))
         self.gpu_pool.free_blocks(reversed(seq.table))
@@ -418,3 +424,6 @@ class BlockManager:
         assert not self.cpu_pool.cached_block_hash_to_block, "cpu: CPU blocks are never cached"
         assert self.prefix_cache_hits <= self.prefix_cache_queries
         assert set(self.tables.rows) == set(self._seqs), "numpy block-table rows out of date"
+        for seq_id, at in self.register_at.items():
+            assert at == (len(self._seqs[seq_id].block_hashes) + 1) * self.block_size, (
+                f"seq {seq_id}: register_at out of date")

@@ -212,10 +212,12 @@ class Scheduler:
         groups), with its commonest case inline as it runs for every sequence every step: a
         lone running sequence one token behind (a decode)."""
         running, bs, samples = self.running, self.block_size, self._samples
-        # Without prefix caching a token inside the sequence's own last block needs nothing
-        # from the block manager (allocate_slots returns [] unchanged): the block holds this
-        # sequence's earlier tokens, so it is neither a cache hit nor shared (n = 1).
-        skip_inner = not self.block_manager.enable_prefix_caching
+        # A token inside the sequence's own last block needs nothing from the block manager
+        # (allocate_slots returns [] unchanged) unless a block becomes full for the prefix
+        # cache (register_at): the block holds this sequence's earlier tokens, so it is
+        # neither a cache hit nor shared (n = 1).
+        caching = self.block_manager.enable_prefix_caching
+        register_at = self.block_manager.register_at
         index = 0
         while index < len(running):
             group = running[index]
@@ -228,7 +230,9 @@ class Scheduler:
                     index += 1  # its last token is being sampled: it finishes then
                     continue
                 if len(tokens) == computed + 1 and budget.tokens and budget.seqs and (
-                        (skip_inner and computed % bs) or self._decode_slot(seq, out)):
+                        (computed % bs and (not caching or len(tokens) - len(seq.pending)
+                                            < register_at.get(seq.seq_id, 0)))
+                        or self._decode_slot(seq, out)):
                     out.scheduled.append(ScheduledSeq(seq, computed, 1))
                     seq.num_computed_tokens = computed + 1
                     budget.tokens -= 1
