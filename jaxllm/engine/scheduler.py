@@ -218,12 +218,12 @@ class Scheduler:
         # neither a cache hit nor shared (n = 1).
         caching = self.block_manager.enable_prefix_caching
         register_at = self.block_manager.register_at
+        schedule_one, running_status = out.scheduled.append, SequenceStatus.RUNNING
         index = 0
         while index < len(running):
             group = running[index]
             seq = group.seqs[0]
-            if (len(group.seqs) == 1 and group.params.n == 1
-                    and seq.status is SequenceStatus.RUNNING):
+            if len(group.seqs) == 1 and group.params.n == 1 and seq.status is running_status:
                 tokens, computed = seq.token_ids, seq.num_computed_tokens
                 if seq.pending and (len(tokens) - len(seq.prompt_token_ids)
                                     >= seq.output_limit):
@@ -233,7 +233,7 @@ class Scheduler:
                         (computed % bs and (not caching or len(tokens) - len(seq.pending)
                                             < register_at.get(seq.seq_id, 0)))
                         or self._decode_slot(seq, out)):
-                    out.scheduled.append(ScheduledSeq(seq, computed, 1))
+                    schedule_one(ScheduledSeq(seq, computed, 1))
                     seq.num_computed_tokens = computed + 1
                     budget.tokens -= 1
                     budget.seqs -= 1
