@@ -24,6 +24,7 @@ Printed per variant and bucket: the HLO's fusion and custom-call counts, launch 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import time
 
@@ -67,11 +68,12 @@ def _args_only():
     return jax.jit(touch)
 
 
-def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float]:
-    """Median launch and step ms; ``args[1]`` (the pool) is replaced by the donated output."""
+def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float, list]:
+    """Median launch and step ms, and the first call's tokens; ``args[1]`` (the pool) is
+    replaced by the donated output."""
     import jax
 
-    launches, steps = [], []
+    launches, steps, first = [], [], None
     for i in range(iters + 3):
         jax.block_until_ready(args)
         t = time.perf_counter()
@@ -79,12 +81,14 @@ def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float]:
         launched = time.perf_counter()
         jax.block_until_ready(out)
         done = time.perf_counter()
+        if first is None:
+            first = np.asarray(out[0] if donate else out).ravel().tolist()
         if donate:
             args[1] = out[1]
         if i >= 3:
             launches.append(launched - t)
             steps.append(done - t)
-    return 1e3 * float(np.median(launches)), 1e3 * float(np.median(steps))
+    return 1e3 * float(np.median(launches)), 1e3 * float(np.median(steps)), first
 
 
 def _hlo_counts(exe) -> dict:
@@ -101,6 +105,7 @@ def run(args) -> dict:
     import jaxllm
 
     result = {"commit": source_commit(), "model": args.model, "context_len": args.context_len,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "devices": [str(d) for d in jax.devices()], "rows": []}
     variants = args.variants.split(",")
     for name in variants:
@@ -123,8 +128,9 @@ def run(args) -> dict:
                                         attention)
                 call_args = [model.params, pool, batch]
                 exe = (_args_only() if name == "args-only" else fn).lower(*call_args).compile()
-                launch, step = _time(exe, call_args, args.iters, name != "args-only")
+                launch, step, tokens = _time(exe, call_args, args.iters, name != "args-only")
                 row = {"variant": name, "bucket": bucket, "launch_ms": launch, "step_ms": step,
+                       "first_tokens": tokens[:64],
                        "num_args": len(jax.tree.leaves(call_args)), **_hlo_counts(exe)}
                 result["rows"].append(row)
                 write_json(result, args.output_json)
