@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_decode,
+    paged_attention_mixed,
     paged_attention_prefill,
     paged_attention_reference,
 )
@@ -67,6 +69,29 @@ def test_interpreted_kernels_read_fp8_pages_as_the_reference(kernel):
     args = (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest)
     run = paged_attention_decode if kernel == "decode" else paged_attention_prefill
     out = run(*args, scale=case.scale, interpret=True)
+    ref = paged_attention_reference(*args, scale=case.scale)
+    n = case.num_real_tokens
+    out, ref = np.asarray(out, np.float32)[:n], np.asarray(ref, np.float32)[:n]
+    np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "mixed"])
+def test_compiled_kernels_read_fp8_pages_as_the_reference_on_gpu(kernel):
+    """The Triton kernels as the engine runs them on a GPU (Llama-3-8B's heads, engine-like
+    lengths), bf16 queries over FP8 pages, against the reference over the same pages."""
+    rng = np.random.default_rng(7)
+    decodes = decode_chunks(rng.integers(1, 2048, size=64).tolist())
+    chunks = {"decode": decodes, "prefill": [(0, 300), (512, 64), (1500, 7)],
+              "mixed": decodes + [(0, 300), (512, 64)]}[kernel]
+    case = make_case(chunks, block_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                     dtype=jnp.bfloat16, seed=5)
+    q, k, v, *rest = case.args
+    args = (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest)
+    run = {"decode": paged_attention_decode, "prefill": paged_attention_prefill,
+           "mixed": paged_attention_mixed}[kernel]
+    out = run(*args, scale=case.scale)
     ref = paged_attention_reference(*args, scale=case.scale)
     n = case.num_real_tokens
     out, ref = np.asarray(out, np.float32)[:n], np.asarray(ref, np.float32)[:n]
