@@ -71,32 +71,37 @@ class PackedBatch:
     num_logits: int = flax.struct.field(pytree_node=False)  # N
     decode_only: bool | None = flax.struct.field(pytree_node=False, default=None)
 
+    @staticmethod
+    def layout(t: int, s: int, w: int, n: int) -> tuple[tuple[str, int], ...]:
+        """(field, length) in ``data``'s order: the one place it is written."""
+        return (("input_ids", t), ("positions", t), ("slot_mapping", t), ("prev_rows", t),
+                ("block_tables", s * w), ("seq_lens", s), ("query_start_loc", s + 1),
+                ("logits_indices", n))
+
     @classmethod
     def pack(cls, batch: BatchMetadata, prev_rows: Any) -> PackedBatch:
         """``batch`` (numpy, as ``pack_batch`` gives it) and ``prev_rows`` (i32[T]) packed."""
         t, (s, w), n = batch.input_ids.shape[0], batch.block_tables.shape, \
             batch.logits_indices.shape[0]
-        data = np.empty(4 * t + s * w + 2 * s + 1 + n, np.int32)
+        layout = cls.layout(t, s, w, n)
+        data = np.empty(sum(size for _, size in layout), np.int32)
         offset = 0
-        for part in (batch.input_ids, batch.positions, batch.slot_mapping, prev_rows,
-                     batch.block_tables.reshape(-1), batch.seq_lens, batch.query_start_loc,
-                     batch.logits_indices):
-            data[offset:offset + part.shape[0]] = part
-            offset += part.shape[0]
+        for name, size in layout:
+            part = prev_rows if name == "prev_rows" else getattr(batch, name)
+            data[offset:offset + size] = part.reshape(-1)
+            offset += size
         return cls(data, t, s, w, n, batch.decode_only)
 
     def unpack(self) -> tuple[BatchMetadata, jax.Array]:
         """(the batch, prev_rows i32[T]): static slices of ``data`` (numpy or jax)."""
         t, s, w = self.num_tokens, self.num_seqs, self.table_width
-        sizes = (t, t, t, t, s * w, s, s + 1, self.num_logits)
-        starts = np.cumsum((0,) + sizes).tolist()
-        ids, pos, slots, prev_rows, tables, seq_lens, query_start, logits = (
-            self.data[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True))
-        batch = BatchMetadata(
-            input_ids=ids, positions=pos, slot_mapping=slots,
-            block_tables=tables.reshape(s, w), seq_lens=seq_lens, query_start_loc=query_start,
-            logits_indices=logits, decode_only=self.decode_only)
-        return batch, prev_rows
+        parts, offset = {}, 0
+        for name, size in self.layout(t, s, w, self.num_logits):
+            parts[name] = self.data[offset:offset + size]
+            offset += size
+        prev_rows = parts.pop("prev_rows")
+        parts["block_tables"] = parts["block_tables"].reshape(s, w)
+        return BatchMetadata(**parts, decode_only=self.decode_only), prev_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,8 +96,7 @@ class PreparedForward:
     # On the device, in one buffer: the batch, and each token's row in the previous step's
     # samples or -1 (PackedBatch: one host-to-device copy a step instead of eight).
     batch: PackedBatch
-    prev_rows: None  # in ``batch``; the forward's own argument stays unused
-    has_placeholders: bool  # some rows of prev_rows are not -1
+    has_placeholders: bool  # some rows of the packed prev_rows are not -1
     shape: StepShape
     # Multi-host leader only: prepare_packed's arguments, sent to the workers at the launch.
     host: tuple | None = None
@@ -231,15 +230,15 @@ class ModelRunner:
             self.max_step_temp_bytes = max(self.max_step_temp_bytes, temp)
 
     def _forward_executable(self, shape: StepShape, pooling: bool = False):
-        """The compiled forward of a step shape, and where its batch and placeholder-row
-        inputs live (the shardings ``prepare_forward`` transfers them with)."""
+        """The compiled forward of a step shape, and where its packed batch lives (the
+        sharding ``prepare_forward`` transfers it with)."""
         entry = self._forward_exe.get((shape, pooling))
         if entry is None:
             if self.mirror is not None:  # the workers compile it now, not after the launch
                 self.mirror.send(("compile", "forward", (shape, pooling)))
             exe = self._compile(*self._forward_inputs(shape, pooling))
-            args = exe.input_shardings[0]  # (params, pool, batch, prev_tokens, prev_rows)
-            entry = self._forward_exe[shape, pooling] = (exe, (args[2], args[4]))
+            args = exe.input_shardings[0]  # (params, pool, packed batch, prev_tokens)
+            entry = self._forward_exe[shape, pooling] = (exe, args[2])
             self._count_compilation(exe)
             if pooling and self.num_steps:
                 logger.info("compiled the pooling forward for %s", shape)
@@ -261,7 +260,7 @@ class ModelRunner:
     def _forward_inputs(self, shape: StepShape, pooling: bool = False):
         batch = self._empty_batch(shape)
         return ("forward", self._programs.forward, (self.model.params, self._pool_spec, batch,
-                self._no_prev_tokens, None), {"pooling": pooling}, self._forward_options)
+                self._no_prev_tokens), {"pooling": pooling}, self._forward_options)
 
     def _sampler_inputs(self, key: tuple[int, int, SampleVariant]):
         rows, width, variant = key
@@ -311,9 +310,9 @@ class ModelRunner:
         has_placeholders = prev_rows is not None
         if prev_rows is None:
             prev_rows = np.full(shape.num_tokens, -1, np.int32)
-        exe, (sharding, _) = self._forward_executable(shape, pooling)
+        exe, sharding = self._forward_executable(shape, pooling)
         packed = self._put(PackedBatch.pack(batch, prev_rows), sharding)
-        return PreparedForward(exe, packed, None, has_placeholders, shape, host)
+        return PreparedForward(exe, packed, has_placeholders, shape, host)
 
     def launch_forward(self, prepared: PreparedForward,
                        prev: PendingStep | None = None) -> LaunchedForward:
@@ -328,7 +327,7 @@ class ModelRunner:
                               prev.index if prepared.has_placeholders else -1))
         prev_tokens = prev.tokens if prepared.has_placeholders else self._no_prev_tokens
         logits, self.kv_pool, pooled = prepared.executable(
-            self.model.params, self.kv_pool, prepared.batch, prev_tokens, prepared.prev_rows)
+            self.model.params, self.kv_pool, prepared.batch, prev_tokens)
         self.num_forwards += 1
         return LaunchedForward(logits, prepared.shape, pooled, self.num_forwards - 1)
 

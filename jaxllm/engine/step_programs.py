@@ -37,9 +37,9 @@ class ProgramKey:
 
 
 class StepPrograms(NamedTuple):
-    # (params, pool, batch, prev_tokens i32[max_rows], prev_rows i32[T]; pooling static)
-    #   -> (logits f32[S, V], pool, pooled | None); the pool is donated. The engine passes
-    #   a PackedBatch (batch and prev_rows in one buffer) and prev_rows=None.
+    # (params, pool, PackedBatch (the batch and prev_rows i32[T] in one buffer),
+    #  prev_tokens i32[max_rows]; pooling static)
+    #   -> (logits f32[S, V], pool, pooled | None); the pool is donated.
     forward: Any
     # (logits f32[S, V], SamplingMetadata; SampleVariant fields static)
     #   -> (SamplerOutput, tokens i32[max_rows])
@@ -64,9 +64,8 @@ def step_programs(key: ProgramKey) -> StepPrograms:
             return pool
         return jax.lax.with_sharding_constraint(pool, kv_pool_shardings(pool, mesh))
 
-    def forward_after(params, kv_pool, batch, prev_tokens, prev_rows, pooling=False):
-        if isinstance(batch, PackedBatch):  # one host-to-device copy for all of it
-            batch, prev_rows = batch.unpack()
+    def forward_after(params, kv_pool, packed: PackedBatch, prev_tokens, pooling=False):
+        batch, prev_rows = packed.unpack()  # one host-to-device copy for all of it
         # Async scheduling: tokens the previous step samples are only on the device; the host
         # marks where they go (prev_rows >= 0) and they are filled in here.
         ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)],
