@@ -24,7 +24,7 @@ steps() {
     step g3_fp8_pages 30 90 $PY -m pytest tests/test_kv_cache_fp8.py -k gpu -p no:cacheprovider \
       -W ignore::DeprecationWarning -rA
     step g4_host_step 25 60 $PY -m jaxllm.benchmarks.host_step --num-seqs 1024 \
-      --prefix-caching off --output-json "$DIR/g4_host_step.json"
+      --prefix-caching off on --output-json "$DIR/g4_host_step.json"
     throughput g5_sharegpt_1024 140 200 --dataset-name sharegpt-like --num-prompts "$N"
   }
   return 0
