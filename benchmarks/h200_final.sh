@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The session's last H200 call (chain for benchmarks/gpu_chain.sh), in priority order:
+# The session's last H200 call (chain for benchmarks/gpu_chain.sh), in priority order (g1,
+# the pair of g2, last: h200_fp8.sh's f1 measured it before):
 #   g0     the jaxllm import's XLA_FLAGS on the GPU machine, and the devices
 #   g1/g2  an 8B decode step's launch without / with Pallas' Triton calls in XLA's command
 #          buffers (JAXLLM_XLA_DEFAULTS=0 / jaxllm's default), one process each
@@ -18,14 +19,14 @@ steps() {
   # shellcheck disable=SC2086
   {
     step g0_flags 10 30 $PY -c 'import os, jaxllm, jax; print(os.environ.get("XLA_FLAGS"), jax.devices())'
-    step g1_launch_default_off 40 80 env JAXLLM_XLA_DEFAULTS=0 $PY $ANATOMY \
-      --output-json "$DIR/g1_launch_default_off.json"
     step g2_launch_default_on 40 80 $PY $ANATOMY --output-json "$DIR/g2_launch_default_on.json"
     step g3_fp8_pages 30 90 $PY -m pytest tests/test_kv_cache_fp8.py -k gpu -p no:cacheprovider \
       -W ignore::DeprecationWarning -rA
     step g4_host_step 25 60 $PY -m jaxllm.benchmarks.host_step --num-seqs 1024 \
       --prefix-caching off on --output-json "$DIR/g4_host_step.json"
     throughput g5_sharegpt_1024 140 200 --dataset-name sharegpt-like --num-prompts "$N"
+    step g1_launch_default_off 40 80 env JAXLLM_XLA_DEFAULTS=0 $PY $ANATOMY \
+      --output-json "$DIR/g1_launch_default_off.json"
   }
   return 0
 }
