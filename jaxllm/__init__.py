@@ -20,10 +20,6 @@ if _os.path.isfile(_os.path.join(_ROOT, "pyproject.toml")) and _os.path.isdir(
         _os.path.join(_ROOT, "serve")):
     __path__.append(_ROOT)
 
-from jaxllm import xla_defaults as _xla_defaults  # noqa: I001 - before anything starts JAX
-
-_xla_defaults.apply()
-
 from jaxllm.batch import BatchMetadata, SeqChunk, SeqChunks, pack_batch
 from jaxllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxllm.engine.engine_config import EngineConfig
