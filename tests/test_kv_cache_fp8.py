@@ -6,6 +6,7 @@ outputs stay close to the float pool's."""
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +74,27 @@ def test_interpreted_kernels_read_fp8_pages_as_the_reference(kernel):
     n = case.num_real_tokens
     out, ref = np.asarray(out, np.float32)[:n], np.asarray(ref, np.float32)[:n]
     np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "mixed"])
+def test_kernels_over_fp8_pages_lower_to_triton_for_hopper(kernel, monkeypatch):
+    """The Triton lowering (what failed on the H200: no integer-to-FP8 cast for a masked
+    load's fill value) runs on any host: JAX's GPU query is answered with an sm_90 device."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    chunks = {"decode": decode_chunks([5, 40]), "prefill": [(0, 30), (40, 7)],
+              "mixed": decode_chunks([5, 40]) + [(0, 30)]}[kernel]
+    case = make_case(chunks, block_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                     dtype=jnp.bfloat16, seed=5)
+    q, k, v, *rest = case.args
+    args = (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest)
+    run = {"decode": paged_attention_decode, "prefill": paged_attention_prefill,
+           "mixed": paged_attention_mixed}[kernel]
+    lowered = jax.jit(lambda *a: run(*a, scale=case.scale)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert "__gpu$xla.gpu.triton" in lowered.as_text()
 
 
 @pytest.mark.gpu

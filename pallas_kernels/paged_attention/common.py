@@ -145,8 +145,13 @@ def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, bloc
     if key_mask is None:
         return k_ref[idx].astype(dtype), v_ref[idx].astype(dtype)
     mask = jnp.broadcast_to(key_mask[:, None], (block_kv, head_dim))
-    return (pltriton.load(k_ref.at[idx], mask=mask, other=0).astype(dtype),
-            pltriton.load(v_ref.at[idx], mask=mask, other=0).astype(dtype))
+
+    def masked_load(ref):
+        if is_fp8(ref.dtype):  # Triton has no integer-to-FP8 cast for the fill value
+            return jnp.where(mask, pltriton.load(ref.at[idx], mask=mask).astype(dtype), 0)
+        return pltriton.load(ref.at[idx], mask=mask, other=0).astype(dtype)
+
+    return masked_load(k_ref), masked_load(v_ref)
 
 
 def softmax_step(q, k, v, carry, scale_log2: float, logit_mask: jax.Array | None):
