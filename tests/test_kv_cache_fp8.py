@@ -76,7 +76,21 @@ def test_interpreted_kernels_read_fp8_pages_as_the_reference(kernel):
     np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "mixed"])
+KERNELS = {"decode": paged_attention_decode, "prefill": paged_attention_prefill,
+           "mixed": paged_attention_mixed}
+
+
+def _llama3_fp8_case(kernel: str, decodes: list, chunks: list):
+    """(the kernel, its arguments over FP8 pages, the case): Llama-3-8B's heads, bf16 queries;
+    ``decodes`` for decode and mixed, ``chunks`` (prompt chunks) for prefill and mixed."""
+    case = make_case({"decode": decodes, "prefill": chunks, "mixed": decodes + chunks}[kernel],
+                     block_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
+                     dtype=jnp.bfloat16, seed=5)
+    q, k, v, *rest = case.args
+    return KERNELS[kernel], (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest), case
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_kernels_over_fp8_pages_lower_to_triton_for_hopper(kernel, monkeypatch):
     """The Triton lowering (what failed on the H200: no integer-to-FP8 cast for a masked
     load's fill value) runs on any host: JAX's GPU query is answered with an sm_90 device."""
@@ -84,14 +98,7 @@ def test_kernels_over_fp8_pages_lower_to_triton_for_hopper(kernel, monkeypatch):
 
     monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                         lambda: types.SimpleNamespace(compute_capability=90))
-    chunks = {"decode": decode_chunks([5, 40]), "prefill": [(0, 30), (40, 7)],
-              "mixed": decode_chunks([5, 40]) + [(0, 30)]}[kernel]
-    case = make_case(chunks, block_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                     dtype=jnp.bfloat16, seed=5)
-    q, k, v, *rest = case.args
-    args = (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest)
-    run = {"decode": paged_attention_decode, "prefill": paged_attention_prefill,
-           "mixed": paged_attention_mixed}[kernel]
+    run, args, case = _llama3_fp8_case(kernel, decode_chunks([5, 40]), [(0, 30), (40, 7)])
     lowered = jax.jit(lambda *a: run(*a, scale=case.scale)).trace(*args).lower(
         lowering_platforms=("cuda",))
     assert "__gpu$xla.gpu.triton" in lowered.as_text()
@@ -99,20 +106,12 @@ def test_kernels_over_fp8_pages_lower_to_triton_for_hopper(kernel, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_compiled_kernels_read_fp8_pages_as_the_reference_on_gpu(kernel):
-    """The Triton kernels as the engine runs them on a GPU (Llama-3-8B's heads, engine-like
-    lengths), bf16 queries over FP8 pages, against the reference over the same pages."""
-    rng = np.random.default_rng(7)
-    decodes = decode_chunks(rng.integers(1, 2048, size=64).tolist())
-    chunks = {"decode": decodes, "prefill": [(0, 300), (512, 64), (1500, 7)],
-              "mixed": decodes + [(0, 300), (512, 64)]}[kernel]
-    case = make_case(chunks, block_size=16, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                     dtype=jnp.bfloat16, seed=5)
-    q, k, v, *rest = case.args
-    args = (q, to_pool_dtype(k, FP8), to_pool_dtype(v, FP8), *rest)
-    run = {"decode": paged_attention_decode, "prefill": paged_attention_prefill,
-           "mixed": paged_attention_mixed}[kernel]
+    """The Triton kernels as the engine runs them on a GPU (engine-like lengths) over FP8
+    pages, against the reference over the same pages."""
+    decodes = decode_chunks(np.random.default_rng(7).integers(1, 2048, size=64).tolist())
+    run, args, case = _llama3_fp8_case(kernel, decodes, [(0, 300), (512, 64), (1500, 7)])
     out = run(*args, scale=case.scale)
     ref = paged_attention_reference(*args, scale=case.scale)
     n = case.num_real_tokens
