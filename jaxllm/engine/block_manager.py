@@ -49,6 +49,11 @@ class _SeqBlocks:
     cpu_table: list[KVCacheBlock] | None = None  # CPU blocks while swapped out
 
 
+def _cacheable(num_tokens: int, num_cacheable_tokens: int | None) -> int:
+    """How many of a sequence's first ``num_tokens`` may enter the prefix cache."""
+    return num_tokens if num_cacheable_tokens is None else min(num_tokens, num_cacheable_tokens)
+
+
 class BlockManager:
     """Block tables for integer seq ids over a GPU pool (block 0 = null block) and a CPU pool."""
 
@@ -197,9 +202,8 @@ class BlockManager:
             if index < len(table) and table[index].ref_cnt == 1 and seq.cpu_table is None:
                 # Prefix caching: a block to register once in block_size calls (the check
                 # inline: this runs for every decoding sequence every step).
-                if self.enable_prefix_caching and min(
-                        num_tokens, num_tokens if num_cacheable_tokens is None
-                        else num_cacheable_tokens) // bs > len(seq.block_hashes):
+                if self.enable_prefix_caching and _cacheable(
+                        num_tokens, num_cacheable_tokens) // bs > len(seq.block_hashes):
                     self._cache_full_blocks(seq_id, seq, token_ids, num_tokens,
                                             num_cacheable_tokens)
                 return []
@@ -262,9 +266,7 @@ class BlockManager:
                            num_tokens: int, num_cacheable_tokens: int | None) -> None:
         """Registers the seq's blocks that are full once ``num_tokens`` are written (capped
         at ``num_cacheable_tokens``) in the prefix cache."""
-        cacheable = num_tokens if num_cacheable_tokens is None else min(
-            num_tokens, num_cacheable_tokens)
-        num_full = cacheable // self.block_size
+        num_full = _cacheable(num_tokens, num_cacheable_tokens) // self.block_size
         hashes = seq.block_hashes
         start = len(hashes)
         if num_full > start:

@@ -132,7 +132,7 @@ USAGE_CONTEXTS = ("engine", "llm_class", "api_server")
 LARGE_GPU_BYTES = 70 << 30
 
 
-def default_limits(platform: str, device_memory: int | None, device_name: str,
+def default_limits(platform: str, device_memory: float | None, device_name: str,
                    usage_context: str) -> tuple[int, int, str]:
     """(max_num_seqs, max_num_batched_tokens, why) when the flags leave them unset: vLLM's
     V1 defaults. A GPU of >= 70 GiB that is not an A100 (H100, H200) takes 1024 sequences
@@ -155,7 +155,7 @@ def default_limits(platform: str, device_memory: int | None, device_name: str,
 
 
 def resolve_limits(config: EngineConfig, model_len: int, platform: str,
-                   device_memory: int | None = None, device_name: str = "",
+                   device_memory: float | None = None, device_name: str = "",
                    usage_context: str = "engine") -> EngineConfig:
     """``config`` with its sequence and batch limits made concrete: the model's context length
     unless less is asked, and :func:`default_limits` for what is unset (an explicit flag

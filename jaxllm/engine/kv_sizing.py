@@ -64,14 +64,14 @@ def model_device(model: LoadedModel):
     return model.mesh.devices.flat[0] if model.mesh is not None else jax.devices()[0]
 
 
-def total_device_memory(device) -> int | None:
+def total_device_memory(device) -> float | None:
     """An accelerator's memory in bytes (JAX's allocator limit over its fraction, as
     plan_kv_blocks reads it); None on CPU or when the backend does not say."""
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return None
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_JAX_MEM_FRACTION))
-    return int(stats["bytes_limit"] / fraction)
+    return stats["bytes_limit"] / fraction
 
 
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
@@ -89,15 +89,13 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     tp = model.tensor_parallel_size * model.pipeline_parallel_size
     device_block = per_block // tp
     device = model_device(model)
-    stats = device.memory_stats() if device.platform != "cpu" else None
+    total = total_device_memory(device)
     if num_gpu_blocks_override is not None:
         num_gpu = num_gpu_blocks_override
         report = f"KV blocks set by num_gpu_blocks_override: {num_gpu}"
-    elif stats and "bytes_limit" in stats:
-        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                        DEFAULT_JAX_MEM_FRACTION))
+    elif total is not None:
+        stats = device.memory_stats()
         limit = stats["bytes_limit"]
-        total = limit / fraction
         budget = min(limit, total * gpu_memory_utilization)
         in_use = stats.get("bytes_in_use", 0)
         activations = activation_bytes(model, max_num_batched_tokens,
