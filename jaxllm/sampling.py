@@ -256,6 +256,11 @@ def needs_penalties(params: SamplingParams) -> bool:
             or params.frequency_penalty != 0.0)
 
 
+def needs_top_k_top_p(params: SamplingParams) -> bool:
+    """Does this request filter by top-k or top-p (the variant that sorts the logits)?"""
+    return not params.is_greedy and (params.top_k > 0 or params.top_p < 1.0)
+
+
 # The per-row fields of SamplingMetadata: (name, padding value, dtype).
 ROW_FIELDS = (("temperature", 0.0, np.float32), ("top_p", 1.0, np.float32),
               ("top_k", 0, np.int32), ("min_p", 0.0, np.float32),
@@ -366,8 +371,7 @@ def _variant(params: Sequence[SamplingParams]) -> SampleVariant:
         num_logprobs=max((p.logprobs or 0 for p in params), default=0),
         use_penalties=any(needs_penalties(p) for p in params),
         all_greedy=all(p.is_greedy for p in params),
-        use_top_k_top_p=any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)
-                            for p in params),
+        use_top_k_top_p=any(needs_top_k_top_p(p) for p in params),
         use_bitmask=any(p.structured_outputs is not None for p in params))
 
 

@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxllm.engine.scheduler_output import ScheduledSample
-from jaxllm.sampling import PAD_ID, ROW_FIELDS, SamplerBatch, SampleVariant, needs_penalties
+from jaxllm.sampling import (
+    PAD_ID,
+    ROW_FIELDS,
+    SamplerBatch,
+    SampleVariant,
+    needs_penalties,
+    needs_top_k_top_p,
+)
 from jaxllm.sampling_params import SamplingParams
 
 # Per-row settings besides ROW_FIELDS' (steps is the one field that changes every step).
@@ -90,7 +97,7 @@ class SamplerTable:
             min_tokens=params.min_tokens, num_logprobs=params.logprobs or 0,
             num_banned=len(banned), penalties=needs_penalties(params),
             greedy=params.is_greedy,
-            top_k_top_p=not params.is_greedy and (params.top_k > 0 or params.top_p < 1.0),
+            top_k_top_p=needs_top_k_top_p(params),
             structured=params.structured_outputs is not None)
         for name, value in values.items():
             self.cols[name][row] = value
