@@ -59,23 +59,28 @@ class GcTimer:
     """Time spent in the garbage collector (gc.callbacks) while ``on``."""
 
     def __init__(self) -> None:
-        self.seconds, self.collections, self.on, self._start = 0.0, 0, False, 0.0
-        self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]  # [collections, seconds]
+        self.on, self._start = False, 0.0
+        self.reset()
         gc.callbacks.append(self._callback)
 
     def reset(self) -> None:
-        self.seconds, self.collections = 0.0, 0
-        self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]
+        self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]  # [collections, seconds]
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds in self.by_generation)
+
+    @property
+    def collections(self) -> int:
+        return sum(count for count, _ in self.by_generation)
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         elif self.on:
-            seconds = time.perf_counter() - self._start
-            self.seconds += seconds
-            self.collections += 1
-            self.by_generation[info["generation"]][0] += 1
-            self.by_generation[info["generation"]][1] += seconds
+            generation = self.by_generation[info["generation"]]
+            generation[0] += 1
+            generation[1] += time.perf_counter() - self._start
 
 
 _CURRENT: list[collections.Counter] = []  # the engine being measured's totals
