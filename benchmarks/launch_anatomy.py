@@ -7,7 +7,11 @@ offline run, AWQ at batch 1) are bound by the launch, not by the device. Whether
 ~260 arguments, the ~600 kernels, or the Pallas calls inside the command buffers decides the
 fix. Each variant is one jitted step (forward + greedy sample, the pool donated) of the model
 with dummy weights, timed per call: ``launch`` = until the call returns (the host's cost),
-``step`` = until its tokens are ready. Variants (``--variants``):
+``step`` = until its tokens are ready, and the same for calls made back to back without
+waiting (``b2b``: the engine's async steps; ``b2b step`` = wall / calls, the larger of the
+host's and the device's cost). Every call gets a fresh batch buffer, as an engine step does.
+``XLA_FLAGS`` (in the JSON) selects XLA's command-buffer modes to compare. Variants
+(``--variants``):
 
 - ``unrolled``: the engine's GPU layout (per-layer params and pool) with the Pallas kernels;
 - ``unrolled-xla-attention``: the same with XLA's reference attention (no Pallas calls);
@@ -68,13 +72,19 @@ def _args_only():
     return jax.jit(touch)
 
 
-def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float, list]:
-    """Median launch and step ms, and the first call's tokens; ``args[1]`` (the pool) is
-    replaced by the donated output."""
+def _time(exe, args: list, iters: int, donate: bool) -> dict:
+    """Median launch and step ms of calls made one at a time, the launch and per-step ms of
+    calls made back to back (as the engine's async steps are), and the first call's tokens.
+    ``args[1]`` (the pool) is replaced by the donated output; every call gets a freshly
+    transferred batch, as every engine step does (a new buffer address each call, which
+    XLA's command buffers must be updated for)."""
     import jax
 
+    host_batch = jax.device_get(args[2])
+    fresh = [jax.device_put(host_batch) for _ in range(2 * iters + 3)]
     launches, steps, first = [], [], None
     for i in range(iters + 3):
+        args[2] = fresh.pop()
         jax.block_until_ready(args)
         t = time.perf_counter()
         out = exe(*args)
@@ -88,7 +98,23 @@ def _time(exe, args: list, iters: int, donate: bool) -> tuple[float, float, list
         if i >= 3:
             launches.append(launched - t)
             steps.append(done - t)
-    return 1e3 * float(np.median(launches)), 1e3 * float(np.median(steps)), first
+    jax.block_until_ready(fresh)
+    back_to_back, outs = [], []
+    start = time.perf_counter()
+    for _ in range(iters):
+        args[2] = fresh.pop()
+        t = time.perf_counter()
+        out = exe(*args)
+        back_to_back.append(time.perf_counter() - t)
+        outs.append(out[0] if donate else out)
+        if donate:
+            args[1] = out[1]
+    jax.block_until_ready(outs)
+    wall = time.perf_counter() - start
+    return {"launch_ms": 1e3 * float(np.median(launches)),
+            "step_ms": 1e3 * float(np.median(steps)),
+            "back_to_back_launch_ms": 1e3 * float(np.median(back_to_back)),
+            "back_to_back_step_ms": 1e3 * wall / iters, "first_tokens": first[:64]}
 
 
 def _hlo_counts(exe) -> dict:
@@ -112,7 +138,7 @@ def run(args) -> dict:
         if name not in VARIANTS:
             raise ValueError(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
     print(f"{'variant':<24}{'bucket':>8}{'args':>6}{'fusions':>9}{'calls':>7}{'whiles':>8}"
-          f"{'launch ms':>11}{'step ms':>10}", flush=True)
+          f"{'launch ms':>11}{'step ms':>10}{'b2b launch':>12}{'b2b step':>10}", flush=True)
     for unrolled in (True, False):
         names = [n for n in variants if (n == "stacked") != unrolled]
         if not names:
@@ -128,14 +154,15 @@ def run(args) -> dict:
                                         attention)
                 call_args = [model.params, pool, batch]
                 exe = (_args_only() if name == "args-only" else fn).lower(*call_args).compile()
-                launch, step, tokens = _time(exe, call_args, args.iters, name != "args-only")
-                row = {"variant": name, "bucket": bucket, "launch_ms": launch, "step_ms": step,
-                       "first_tokens": tokens[:64],
+                timed = _time(exe, call_args, args.iters, name != "args-only")
+                row = {"variant": name, "bucket": bucket, **timed,
                        "num_args": len(jax.tree.leaves(call_args)), **_hlo_counts(exe)}
                 result["rows"].append(row)
                 write_json(result, args.output_json)
                 print(f"{name:<24}{bucket:>8}{row['num_args']:>6}{row['fusions']:>9}"
-                      f"{row['custom_calls']:>7}{row['whiles']:>8}{launch:>11.3f}{step:>10.3f}",
+                      f"{row['custom_calls']:>7}{row['whiles']:>8}{row['launch_ms']:>11.3f}"
+                      f"{row['step_ms']:>10.3f}{row['back_to_back_launch_ms']:>12.3f}"
+                      f"{row['back_to_back_step_ms']:>10.3f}",
                       flush=True)
                 del call_args, pool, exe
         del model
