@@ -24,7 +24,6 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxllm.batch import BatchMetadata
 from jaxllm.kv_pool import KVPool, write_kv
 from jaxllm.pallas_kernels.paged_attention import (
-    is_fp8,
     kernels_support,
     paged_attention_decode,
     paged_attention_mixed,
@@ -72,12 +71,7 @@ def paged_attention(
     backend = resolve_backend(backend)
     args = (q, kv_pool.k, kv_pool.v, layer, batch.block_tables, batch.seq_lens,
             batch.query_start_loc, batch.positions)
-    # FP8 pages through the compiled Triton kernels have not passed on a GPU yet: the H200 run
-    # of tests/test_kv_cache_fp8.py failed in the Triton lowering (fixed since, checked on
-    # CPU up to the Triton IR only). Until that GPU test passes, an FP8 pool on a GPU is read
-    # by the XLA reference (correct, but its gathers make large steps slow to compile and run).
-    untried = backend == "pallas" and is_fp8(kv_pool.k.dtype)
-    if backend == "reference" or untried or not kernels_support(q, kv_pool.k, kv_pool.v):
+    if backend == "reference" or not kernels_support(q, kv_pool.k, kv_pool.v):
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window)
     kernel = paged_attention_decode if is_decode_batch(q, batch) else paged_attention_mixed
     return kernel(*args, scale=scale, sliding_window=sliding_window,
