@@ -9,7 +9,8 @@ runner calls it) for B sequences that each hold ``--context-len`` tokens in the 
 (blocks laid out contiguously per sequence) and add one token; the engine's sampler in its
 all-greedy variant is included. The pool holds zeros: attention reads the same bytes whatever
 they hold. Median of ``--iters`` steps after warm-up, each synchronised with
-``block_until_ready``. This is the device side of a step; the engine's host work per step is
+``block_until_ready`` (``step ms``, its launch included), and the same steps launched back to
+back, each with a fresh batch buffer (``b2b step ms``: how the engine's async decode runs). This is the device side of a step; the engine's host work per step is
 in ``benchmarks/engine_step.py``.
 
 Roofline (``../shared/reference/performance.md`` section 6): a decode step must read every
@@ -67,6 +68,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
                         "too); awq, gptq: a 4-bit checkpoint's own. The roofline counts the "
                         "bytes the quantized weights actually hold")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the pool's dtype, as the engine's flag (fp8: half the KV bytes, "
+                        "counted so in the roofline)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -114,7 +118,7 @@ def roofline_s(weight_bytes: int, cfg, itemsize: int, batch: int, context: int,
 
 def compile_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                         backend: str = "auto", pool_blocks: int | None = None,
-                        micro_batches: int | None = None):
+                        micro_batches: int | None = None, kv_dtype=None):
     """One greedy decode step of ``batch_size`` sequences at ``context`` tokens, compiled (the
     pool donated; under tensor parallelism split by KV head as the engine splits it). Returns
     ``(step, pool, batch)``: ``step(params, pool, batch) -> (tokens, pool)``."""
@@ -127,7 +131,7 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
     blocks_per_seq = -(-(context + 1) // block_size)
     num_blocks = max(pool_blocks or 0, 1 + batch_size * blocks_per_seq)
 
-    pool = new_kv_pool(cfg, num_blocks, block_size, model.dtype,
+    pool = new_kv_pool(cfg, num_blocks, block_size, kv_dtype or model.dtype,
                        unroll_layers=model.unroll_layers, mesh=model.mesh)
     pool_out = {} if model.mesh is None else {
         "out_shardings": jax.tree.map(lambda x: x.sharding, pool)}
@@ -151,16 +155,18 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
 
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
-                     pool_blocks: int | None = None,
-                     micro_batches: int | None = None) -> tuple[float, float, int]:
-    """Median seconds of one decode step, and of its launch alone (the call returning before
-    the result is ready: a launch as long as the step means the host is blocked), and the
-    compiled step's temporary bytes."""
+                     pool_blocks: int | None = None, micro_batches: int | None = None,
+                     kv_dtype=None) -> dict:
+    """Seconds of one decode step: ``step`` = median of steps each waited for (its launch
+    included: what a lone step costs), ``launch`` = median of the call alone (the host
+    blocked), ``back_to_back`` = wall / steps of ``iters`` steps launched without waiting,
+    each with a freshly transferred batch (how the engine's async decode runs: the larger of
+    the host's and the device's cost per step). Also the compiled step's temporary bytes."""
     import jax
 
     step, pool, batch = compile_decode_step(model, batch_size, context, block_size=block_size,
                                             backend=backend, pool_blocks=pool_blocks,
-                                            micro_batches=micro_batches)
+                                            micro_batches=micro_batches, kv_dtype=kv_dtype)
     # XLA's plan beyond the pool: a pool-sized figure here means the pool is not updated in place.
     temp_bytes = int(getattr(step.memory_analysis(), "temp_size_in_bytes", 0) or 0)
     print(f"batch {batch_size}: compiled step needs {temp_bytes / 1e9:.2f} GB of temporaries "
@@ -175,7 +181,16 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
         launches.append(time.perf_counter() - t)
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t)
-    return float(np.median(times)), float(np.median(launches)), temp_bytes
+    host_batch = jax.device_get(batch)
+    fresh = jax.block_until_ready([jax.device_put(host_batch) for _ in range(iters)])
+    outs, start = [], time.perf_counter()
+    for b in fresh:
+        tokens, pool = step(model.params, pool, b)
+        outs.append(tokens)
+    jax.block_until_ready(outs)
+    back_to_back = (time.perf_counter() - start) / iters
+    return {"step": float(np.median(times)), "launch": float(np.median(launches)),
+            "back_to_back": back_to_back, "temp_bytes": temp_bytes}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -192,7 +207,10 @@ def run(args: argparse.Namespace) -> dict:
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
                               quantization=args.quantization, pipeline_parallel_size=pp)
-    cfg, itemsize = model.config, np.dtype(model.dtype).itemsize
+    from jaxllm.kv_pool import kv_cache_dtype
+
+    kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
+    cfg, itemsize = model.config, np.dtype(kv_dtype).itemsize
     leaves = jax.tree.leaves(model.params)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
     # One device's share: what each device reads per step (replicated leaves whole).
@@ -217,30 +235,35 @@ def run(args: argparse.Namespace) -> dict:
     rows = []
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     for b in tqdm(batch_sizes, desc="batch sizes", disable=args.no_progress):
-        measured, launch, temp_bytes = time_decode_step(
+        timed = time_decode_step(
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
-            pool_blocks=args.pool_blocks, micro_batches=args.pp_micro_batches)
+            pool_blocks=args.pool_blocks, micro_batches=args.pp_micro_batches,
+            kv_dtype=kv_dtype)
+        measured, b2b = timed["step"], timed["back_to_back"]
         micro = min(args.pp_micro_batches or num_micro_batches(b, pp), b) if pp > 1 else 1
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
                            matmul_params / (tp * pp), args.peak_tflops, tp * pp)
         rows.append({"batch_size": b, "context_len": args.context_len,
-                     "step_ms": 1e3 * measured, "launch_ms": 1e3 * launch,
-                     "temp_bytes": temp_bytes,
+                     "step_ms": 1e3 * measured, "launch_ms": 1e3 * timed["launch"],
+                     "temp_bytes": timed["temp_bytes"],
                      "roofline_ms": 1e3 * bound,
                      "pct_of_roofline": 100 * bound / measured,
                      "output_tokens_per_s": b / measured,
+                     "back_to_back_step_ms": 1e3 * b2b,
+                     "back_to_back_pct_of_roofline": 100 * bound / b2b,
                      # Pipeline stages: the step's micro-batches and the idle share of them.
                      "micro_batches": micro,
                      "bubble_fraction": bubble_fraction(micro, pp)})
     print(f"layers {'unrolled' if unroll else 'scanned'}"
           + (f", {pp} pipeline stages" if pp > 1 else ""))
     print(f"{'batch':>6}{'step ms':>10}{'launch ms':>11}{'roofline ms':>13}{'% roofline':>12}"
-          f"{'tok/s':>11}")
+          f"{'tok/s':>11}{'b2b step ms':>13}{'b2b % roofline':>16}")
     for r in rows:
         print(f"{r['batch_size']:>6}{r['step_ms']:>10.3f}{r['launch_ms']:>11.3f}"
               f"{r['roofline_ms']:>13.3f}{r['pct_of_roofline']:>11.1f}%"
-              f"{r['output_tokens_per_s']:>11.1f}")
+              f"{r['output_tokens_per_s']:>11.1f}{r['back_to_back_step_ms']:>13.3f}"
+              f"{r['back_to_back_pct_of_roofline']:>15.1f}%")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "commit": source_commit(),
               "model": model.name, "dtype": model.dtype.name,

@@ -495,3 +495,26 @@ def test_step_profile_reads_the_shape_of_the_launched_step():
     for step in (full, waiting):
         assert _step_info(types.SimpleNamespace(_inflight=step)) == expected
     assert _step_info(types.SimpleNamespace(_inflight=None)) is None
+
+
+def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_path):
+    """``bench latency`` end to end on the tiny model with an FP8 pool: each batch size has a
+    waited and a back-to-back step, and the roofline counts one byte per KV element."""
+    from jaxllm.benchmarks.latency import kv_bytes_per_token, roofline_s
+
+    out = tmp_path / "lat.json"
+    assert bench_main(["latency", *_tiny_args(tiny_config), "--batch-sizes", "1,4",
+                       "--context-len", "32", "--iters", "3", "--warmup-iters", "1",
+                       "--kv-cache-dtype", "fp8", "--bandwidth-gbps", "100",
+                       "--output-json", str(out)]) in (0, None)
+    r = json.loads(out.read_text())
+    assert [row["batch_size"] for row in r["rows"]] == [1, 4]
+    for row in r["rows"]:
+        assert row["back_to_back_step_ms"] > 0 and row["step_ms"] > 0
+        assert row["back_to_back_pct_of_roofline"] == pytest.approx(
+            100 * row["roofline_ms"] / row["back_to_back_step_ms"])
+    cfg = type("C", (), {k: TINY_HF_CONFIG[k] for k in (
+        "num_hidden_layers", "num_key_value_heads", "head_dim")})
+    assert r["rows"][1]["roofline_ms"] == pytest.approx(
+        1e3 * roofline_s(r["weight_bytes"], cfg, 1, 4, 32, 100))
+    assert kv_bytes_per_token(cfg, 1) * 2 == kv_bytes_per_token(cfg, 2)
