@@ -9,9 +9,10 @@
 #   l1-l4  decode step at batch 1 / 64 / 256, context 1024, waited and back to back:
 #       bf16, FP8 W8A8, bf16 + FP8 KV, AWQ int4
 #   r1  offline random 512 in / 128 out, 1000 prompts, bf16
-#   call 1:   JAXLLM_COMMIT=<commit> BUDGET=1120 bash benchmarks/h200_session.sh start &&
+#   g1  the int4 GEMV's block configs at one token, 8B projections (GEMV_TABLE's lines)
+#   call 1:   JAXLLM_COMMIT=<commit> BUDGET=1180 bash benchmarks/h200_session.sh start &&
 #             bash benchmarks/h200_session.sh wait 585
-#   call 2:   bash benchmarks/h200_session.sh wait 560
+#   call 2:   bash benchmarks/h200_session.sh wait 590
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # offline, served
@@ -36,6 +37,8 @@ steps() {
     step l4_latency_awq 50 100 $PY $LATENCY --quantization awq --output-json "$DIR/l4_latency_awq.json"
     offline a4_bf16_fp8kv 140 240 --kv-cache-dtype fp8
     offline r1_random 150 240 --dataset-name random --input-len 512 --output-len 128
+    step g1_gemv_sweep 60 150 $PY -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1 \
+      --gemv-sweep --output-json "$DIR/g1_gemv_sweep.json"
   }
   return 0
 }
