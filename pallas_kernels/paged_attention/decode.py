@@ -77,7 +77,7 @@ def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref,
     split_hi = jnp.minimum(hi, (first_block + (split + 1) * per_split) * block_kv)
 
     dtype = common.compute_dtype(q_ref.dtype, k_ref.dtype)
-    q = q_ref[...].astype(dtype)  # [G', D]
+    q, scale_log2 = common.query_for_dots(q_ref[...], k_ref.dtype, scale_log2)  # [G', D]
     group_pad, head_dim = q.shape
 
     def step(masked: bool):

@@ -101,7 +101,8 @@ def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, h
     idx = (q_row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     tile_mask = jnp.broadcast_to(row_ok[:, None], (rows, head_dim))
     dtype = common.compute_dtype(q_ref.dtype, k_ref.dtype)
-    q = pltriton.load(q_ref.at[idx], mask=tile_mask, other=0).astype(dtype)
+    q, scale_log2 = common.query_for_dots(pltriton.load(q_ref.at[idx], mask=tile_mask, other=0),
+                                          k_ref.dtype, scale_log2)
 
     def step(masked: bool):
         def body(block, carry):
