@@ -21,6 +21,7 @@ from jaxllm.pallas_kernels.quantized_matmul import (
     int4_matmul_reference,
     unsupported,
 )
+from jaxllm.pallas_kernels.quantized_matmul.gemv import GEMV_TABLE
 from tiny_models import TINY
 
 import jaxllm
@@ -112,6 +113,8 @@ GEMV_CASES = [
     (256, 128, 256, 16, jnp.bfloat16, Int4GemvConfig(block_words=8, num_splits=4)),
     (256, 128, 128, 16, jnp.bfloat16, Int4GemvConfig(dot=True, evict_first=True)),
     (128, 96, 32, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, num_warps=2)),
+    # The tuned configs of the 8B projections (GEMV_TABLE), each at a small shape.
+    *[(512, 320, 128, 1, jnp.bfloat16, config) for config in GEMV_TABLE.values()],
 ]
 
 
@@ -133,6 +136,7 @@ def test_gemv_lowers_to_triton_for_the_h200():
     which interpret mode does not."""
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     cases = [(1, 4096, 28672, 128, None), (4, 14336, 4096, 128, None),
+             *[(m, k, n, 128, None) for m, k, n in GEMV_TABLE],  # the table's configs
              (16, 4096, 6144, 128, Int4GemvConfig(dot=True)), (3, 512, 100, 32, None)]
     for m, k, n, group, config in cases:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [

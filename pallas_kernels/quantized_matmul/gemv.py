@@ -118,9 +118,15 @@ class Int4GemvConfig:
 
 
 # Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes
-# gemv_config's rule. NOTE: empty until the H200 benchmark (benchmarks/int4_matmul.py
-# --gemv-sweep) prints the fastest config of each shape; its "gemv table" lines paste here.
-GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {}
+# gemv_config's rule. From the H200 sweep of 2026-12-02 (benchmarks/int4_matmul.py --models 8b
+# --tokens 1 --gemv-sweep, group 128; benchmarks/RESULTS.md): the fastest correct config of
+# each Llama-3-8B projection at one token, against the rule's (us). One sweep: noisy.
+GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {
+    (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=8),  # qkv: 13.3 against 38.3
+    (1, 4096, 4096): Int4GemvConfig(num_warps=2),  # o: 15.1 against 29.4
+    (1, 4096, 28672): Int4GemvConfig(max_acc_registers=64),  # gate_up: 47.4 against 67.7
+    (1, 14336, 4096): Int4GemvConfig(block_words=8),  # down: 24.1 against 43.7
+}
 # From 4 tokens the dot variant: counted in the SASS of the kernel compiled for sm_90 (Triton
 # 3.6, K = N = 4096, group 128; not a timing), a step's instructions per weight are ~6 (FMAs)
 # against ~7 (dot) at 1 token, ~9 against ~7 at 2, ~15 against ~7 at 4 (16 word rows a step
