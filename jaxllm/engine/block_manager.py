@@ -2,7 +2,8 @@
 
 The vLLM-V1 KV-cache manager (``allocate_slots`` / ``free`` over a :class:`BlockPool` with a
 ``block_hash`` map) plus the V0 features V1 dropped: fork with copy-on-write for parallel sampling
-and swapping sequences out to a CPU pool. Plain Python, no ``jax``; sequences are integer ids.
+and swapping sequences out to a CPU pool (:mod:`jaxllm.engine.block_swap`). Plain Python, no
+``jax``; sequences are integer ids.
 
     block_size 4, seq 7 with 10 tokens (8 computed, 2 scheduled now):
 
@@ -37,6 +38,7 @@ from jaxllm.engine.block_pool import (
     KVCacheBlock,
     hash_block_tokens,
 )
+from jaxllm.engine.block_swap import BlockSwapping
 from jaxllm.engine.block_table import BlockTables
 
 
@@ -54,7 +56,7 @@ def _cacheable(num_tokens: int, num_cacheable_tokens: int | None) -> int:
     return num_tokens if num_cacheable_tokens is None else min(num_tokens, num_cacheable_tokens)
 
 
-class BlockManager:
+class BlockManager(BlockSwapping):
     """Block tables for integer seq ids over a GPU pool (block 0 = null block) and a CPU pool."""
 
     def __init__(
@@ -317,80 +319,6 @@ class BlockManager:
         drops what it can; cached blocks still in use keep their hash and the result is False.
         """
         return self.gpu_pool.reset_prefix_cache()
-
-    # ---- swap (preemption by SWAP) ---------------------------------------------------------------
-
-    def can_swap_out(self, seq_ids: Sequence[int]) -> bool:
-        return len(self._distinct_blocks(seq_ids, swapped=False)) <= self.cpu_pool.num_free_blocks
-
-    def swap_out(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move the seqs' GPU blocks to CPU blocks; returns (gpu_block, cpu_block) copies.
-
-        A block shared inside the group is copied once and stays shared on the CPU side. The GPU
-        references are released as in ``free``, so the caller must copy device->host before any
-        later copy or forward of the same step writes to those GPU blocks.
-        """
-        owners = self._distinct_blocks(seq_ids, swapped=False)
-        if len(owners) > self.cpu_pool.num_free_blocks:
-            raise ValueError(
-                f"swap_out needs {len(owners)} CPU blocks, {self.cpu_pool.num_free_blocks} free: "
-                "increase the swap space"
-            )
-        mapping = self._copy_blocks(owners, self.cpu_pool)
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            seq.cpu_table = [mapping[b] for b in seq.table]
-            self.gpu_pool.free_blocks(reversed(seq.table))
-            seq.table = []
-            self.tables.clear(seq_id)
-        return [(g.block_id, c.block_id) for g, c in mapping.items()]
-
-    def can_swap_in(self, seq_ids: Sequence[int]) -> bool:
-        return len(self._distinct_blocks(seq_ids, swapped=True)) <= self.gpu_pool.num_free_blocks
-
-    def swap_in(self, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Move swapped-out seqs back to fresh GPU blocks; returns (cpu_block, gpu_block) copies."""
-        owners = self._distinct_blocks(seq_ids, swapped=True)
-        if len(owners) > self.gpu_pool.num_free_blocks:
-            raise ValueError(
-                f"swap_in needs {len(owners)} GPU blocks, {self.gpu_pool.num_free_blocks} free"
-            )
-        mapping = self._copy_blocks(owners, self.gpu_pool)
-        for seq_id in seq_ids:
-            seq = self._seqs[seq_id]
-            seq.table = [mapping[c] for c in seq.cpu_table]
-            self.tables.write(seq_id, 0, [b.block_id for b in seq.table])
-            self.cpu_pool.free_blocks(reversed(seq.cpu_table))
-            seq.cpu_table = None
-        return [(c.block_id, g.block_id) for c, g in mapping.items()]
-
-    def _distinct_blocks(
-        self, seq_ids: Sequence[int], *, swapped: bool
-    ) -> collections.Counter[KVCacheBlock]:
-        """Block -> number of owners among ``seq_ids``, in first-seen order."""
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"duplicate seq ids in {list(seq_ids)}")
-        owners: collections.Counter[KVCacheBlock] = collections.Counter()
-        for seq_id in seq_ids:
-            if swapped:
-                seq = self._seqs.get(seq_id)
-                if seq is None or seq.cpu_table is None:
-                    raise ValueError(f"seq {seq_id} is not swapped out")
-                owners.update(seq.cpu_table)
-            else:
-                owners.update(self._gpu_seq(seq_id).table)
-        return owners
-
-    @staticmethod
-    def _copy_blocks(
-        owners: collections.Counter[KVCacheBlock], dst_pool: BlockPool
-    ) -> dict[KVCacheBlock, KVCacheBlock]:
-        """One fresh ``dst_pool`` block per source block, with the group's sharing carried over."""
-        mapping = {}
-        for src, dst in zip(owners, dst_pool.get_new_blocks(len(owners)), strict=True):
-            dst.ref_cnt = owners[src]
-            mapping[src] = dst
-        return mapping
 
     def _gpu_seq(self, seq_id: int) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)
