@@ -3,25 +3,24 @@
 Queues hold :class:`SequenceGroup` s: ``waiting`` (new or preempted by recompute), ``running``
 and ``swapped`` (KV blocks parked in host memory). ``schedule()`` decides, each step, how many
 tokens of which sequences the model computes, and which KV blocks move or get copied first.
+How a group is preempted when blocks run out is :mod:`jaxllm.engine.preemption`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import logging
 import time
 from collections.abc import Callable
 
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.engine_config import SchedulerConfig
+from jaxllm.engine.preemption import preempt, preempt_for_priority
 from jaxllm.engine.scheduler_output import ScheduledSample, ScheduledSeq, SchedulerOutput
 from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["RequestRejectedError", "ScheduledSample", "ScheduledSeq", "Scheduler",
            "SchedulerOutput"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -58,7 +57,7 @@ class Scheduler:
         # looks at the groups whose sequences finished, not at every group.
         self._finishing: list[Sequence] = []
         self._group_of: dict[int, SequenceGroup] = {}
-        self._running_sorted = True  # running is in policy order (_key)
+        self._running_sorted = True  # running is in policy order (policy_key)
         # A decoding sequence's sample row, the same every step: seq id -> ScheduledSample.
         self._samples: dict[int, ScheduledSample] = {}
 
@@ -133,7 +132,8 @@ class Scheduler:
     def num_seqs(self, queue: list[SequenceGroup]) -> int:
         return sum(len(g.unfinished_seqs()) for g in queue)
 
-    def _key(self, group: SequenceGroup) -> tuple:
+    def policy_key(self, group: SequenceGroup) -> tuple:
+        """The group's place in policy order: ((priority,) arrival time, admission order)."""
         return self._keys[group.request_id]
 
     # ---------------------------------------------------------------- schedule
@@ -157,9 +157,9 @@ class Scheduler:
         self._collect_finished()  # finished groups are never preemption victims
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         if self.config.policy == "priority":
-            self._preempt_for_priority(out)
+            preempt_for_priority(self, out)
         if not self._running_sorted:  # keys never change: only admissions unsort it
-            self.running.sort(key=self._key)
+            self.running.sort(key=self.policy_key)
             self._running_sorted = True
         preempted_before = len(out.preempted)
         self._schedule_all_running(budget, out)
@@ -189,7 +189,7 @@ class Scheduler:
         needed = self._blocks_needed(planned, shared=len(group.seqs) > 1)
         while needed > self.block_manager.num_free_blocks:
             victim = self.running[-1]
-            self._preempt(victim, out)
+            preempt(self, victim, out)
             if victim is group:
                 return False
         for seq, num_new in planned:
@@ -198,7 +198,7 @@ class Scheduler:
                 num_cacheable_tokens=seq.num_known_tokens)
             if copies is None:  # cached-block accounting made the estimate optimistic
                 self._unschedule(group, budget, out)
-                self._preempt(group, out)
+                preempt(self, group, out)
                 self.block_manager.reset_prefix_cache()  # drop hashes of unwritten blocks
                 return False
             self._commit(group, seq, num_new, copies, budget, out)
@@ -267,10 +267,10 @@ class Scheduler:
 
     def _admit(self, budget: _Budget, out: SchedulerOutput) -> None:
         if self.config.policy == "priority":
-            candidates = sorted(self.swapped + self.waiting, key=self._key)
+            candidates = sorted(self.swapped + self.waiting, key=self.policy_key)
         else:
-            candidates = sorted(self.swapped, key=self._key) + sorted(self.waiting,
-                                                                       key=self._key)
+            candidates = (sorted(self.swapped, key=self.policy_key)
+                          + sorted(self.waiting, key=self.policy_key))
         for group in candidates:
             if budget.tokens == 0:
                 return
@@ -381,47 +381,3 @@ class Scheduler:
             budget.tokens += item.num_new_tokens
             budget.seqs += 1
         out.sample_rows = [r for r in out.sample_rows if id(r.seq) not in mine]
-
-    # -------------------------------------------------------------- preemption
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        seqs = group.seqs_with_status(SequenceStatus.RUNNING)
-        mode = self.config.preemption_mode or ("recompute" if len(seqs) == 1 else "swap")
-        ids = [s.seq_id for s in seqs]
-        if mode == "swap" and not self.block_manager.can_swap_out(ids):
-            logger.warning("request %s: no swap space left (increase --swap-space); "
-                           "preempting by recompute instead", group.request_id)
-            mode = "recompute"
-        self.running.remove(group)
-        if mode == "swap":
-            out.blocks_to_swap_out.extend(self.block_manager.swap_out(ids))
-            for seq in seqs:
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-        else:
-            for seq in seqs:
-                self.block_manager.free(seq.seq_id)
-                seq.reset_for_recompute()
-            self.waiting.append(group)
-        group.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(group)
-        logger.warning(
-            "request %s preempted by %s: not enough KV cache space (total preemptions %d); "
-            "increase --gpu-memory-utilization or lower --max-num-seqs", group.request_id,
-            mode, self.num_preemptions)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        if not self.waiting or not self.running:
-            return
-        head = min(self.waiting, key=self._key)
-        first_chunk = min(head.seqs[0].num_tokens, self.config.max_num_batched_tokens)
-        needed_blocks = -(-first_chunk // self.block_size) * len(head.unfinished_seqs())
-        needed_seqs = max(head.params.n, len(head.unfinished_seqs()))
-        self.running.sort(key=self._key)
-        while self.running and self._key(self.running[-1]) > self._key(head):
-            fits_blocks = self.block_manager.num_free_blocks >= needed_blocks
-            fits_seqs = (self.num_seqs(self.running) + needed_seqs
-                         <= self.config.max_num_seqs)
-            if fits_blocks and fits_seqs:
-                return
-            self._preempt(self.running[-1], out)
