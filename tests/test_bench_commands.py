@@ -518,3 +518,28 @@ def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_pat
     assert r["rows"][1]["roofline_ms"] == pytest.approx(
         1e3 * roofline_s(r["weight_bytes"], cfg, 1, 4, 32, 100))
     assert kv_bytes_per_token(cfg, 1) * 2 == kv_bytes_per_token(cfg, 2)
+
+
+def test_write_checkpoint_round_trips_through_the_safetensors_loader(tiny_config, tmp_path):
+    """benchmarks/write_checkpoint.py: a sharded HF checkpoint of a config's shape that
+    load_model reads back with the same config and the written tensors."""
+    import numpy as np
+    from jaxllm.benchmarks.write_checkpoint import main as write_main
+    from safetensors.numpy import load_file
+
+    import jaxllm
+    from jaxllm.model_config import ModelConfig
+
+    out = tmp_path / "ckpt"
+    assert write_main([tiny_config, str(out), "--shard-gib", str(40_000 / 2**30)]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((out / f).exists() for f in files)
+    source = ModelConfig.from_hf_config(TINY_HF_CONFIG)
+    model = jaxllm.load_model(str(out), dtype="bfloat16")
+    assert model.config == source.replace(checkpoint_dtype="bfloat16")
+    embed = load_file(out / index["weight_map"]["model.embed_tokens.weight"])[
+        "model.embed_tokens.weight"]
+    assert embed.astype(np.float32).std() > 0.01
+    assert (np.asarray(model.params["embed_tokens"]["embedding"], np.float32)
+            == embed.astype(np.float32)).all()
