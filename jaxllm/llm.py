@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +16,24 @@ from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int] | dict
+
+
+def configure_default_logging() -> bool:
+    """Shows jaxllm's INFO lines (the resolved limits, "engine ready in ...: weights, KV cache,
+    warm-up") on stderr when nothing else would: no handler on the root or the ``jaxllm``
+    logger, and ``JAXLLM_CONFIGURE_LOGGING`` not "0" (vLLM's ``VLLM_CONFIGURE_LOGGING``). Its
+    own handler, not propagated, so that a root handler added later does not print twice.
+    Returns whether it configured the logger."""
+    package = logging.getLogger("jaxllm")
+    if (os.environ.get("JAXLLM_CONFIGURE_LOGGING", "1") == "0" or package.handlers
+            or logging.getLogger().handlers):
+        return False
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    package.propagate = False
+    return True
 
 
 class LLM:
@@ -30,6 +50,7 @@ class LLM:
         """``model``: a HF directory, .gguf file, an already loaded model, or None for the
         embedded default; ``engine_args``: any :class:`EngineConfig` field."""
         progress = engine_args.pop("progress", True)
+        configure_default_logging()
         if isinstance(model, LoadedModel):
             config = EngineConfig(**engine_args)
         else:

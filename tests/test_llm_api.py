@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import jax
@@ -174,3 +175,30 @@ def test_mean_pooling_matches_hugging_face(llm):
     for i, out in zip(FITS, outs, strict=True):
         np.testing.assert_allclose(out.outputs.embedding, EMBEDDED["mean"][i], rtol=1e-3,
                                    atol=2e-3)
+
+
+def test_llm_shows_engine_logs_only_when_nothing_else_would():
+    """The LLM class's INFO lines reach stderr by default in a plain script, not twice once the
+    user configures logging, and not at all with JAXLLM_CONFIGURE_LOGGING=0."""
+    import subprocess
+    import sys
+
+    code = ("import logging, jaxllm.llm as m\n"
+            "configured = m.configure_default_logging()\n"
+            "package = logging.getLogger('jaxllm')\n"
+            "again = m.configure_default_logging()\n"
+            "print(configured, len(package.handlers), package.propagate, again)\n"
+            "logging.getLogger('jaxllm.engine.llm_engine').info('engine ready in 1.0 s')\n")
+    env = {**os.environ}
+    env.pop("JAXLLM_CONFIGURE_LOGGING", None)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert run.stdout.split() == ["True", "1", "False", "False"]
+    assert "INFO" in run.stderr and "jaxllm.engine.llm_engine: engine ready in 1.0 s" in run.stderr
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, "JAXLLM_CONFIGURE_LOGGING": "0"}, check=True)
+    assert off.stdout.split()[0] == "False" and "engine ready" not in off.stderr
+    configured_first = "import logging\nlogging.basicConfig()\n" + code
+    rooted = subprocess.run([sys.executable, "-c", configured_first], capture_output=True,
+                            text=True, env=env, check=True)
+    assert rooted.stdout.split()[:2] == ["False", "0"]
