@@ -10,8 +10,9 @@ runner calls it) for B sequences that each hold ``--context-len`` tokens in the 
 all-greedy variant is included. The pool holds zeros: attention reads the same bytes whatever
 they hold. Median of ``--iters`` steps after warm-up, each synchronised with
 ``block_until_ready`` (``step ms``, its launch included), and the same steps launched back to
-back, each with a fresh batch buffer (``b2b step ms``: how the engine's async decode runs). This is the device side of a step; the engine's host work per step is
-in ``benchmarks/engine_step.py``.
+back, each with a fresh batch buffer (``b2b step ms``: how the engine's async decode runs).
+This is the device side of a step; the engine's host work per step is in
+``benchmarks/engine_step.py``.
 
 Roofline (``../shared/reference/performance.md`` section 6): a decode step must read every
 weight once and every sequence's K and V once, so
