@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's H200 points not yet measured (chain for benchmarks/gpu_chain.sh, one GPU):
+#   v1/v2  decode step over FP8 pages, then bf16 pages (the decode kernel's V widened before
+#          it is staged: counted in SASS, not timed yet; compare with h200_verify.sh's v2/v3)
 #   w1-w5  warm restart to ready, cold and warm (a fresh process each over one new cache
 #          directory), Llama-3-8B shape, from dummy weights, from a local HF safetensors
 #          checkpoint (benchmarks/write_checkpoint.py) and from its orbax conversion
@@ -21,6 +23,12 @@ BIG="--max-num-seqs 256 --max-num-batched-tokens 2048 --num-gpu-blocks-override 
 steps() {
   # shellcheck disable=SC2086
   {
+    step v1_latency_fp8kv 30 60 $PY -m jaxllm.benchmarks latency --model llama-3-8b \
+      --load-format dummy --dtype bfloat16 --context-len 1024 --unroll-layers --iters 20 \
+      --no-progress --batch-sizes 1,64,256 --kv-cache-dtype fp8 --output-json "$DIR/v1_fp8kv.json"
+    step v2_latency_bf16 30 60 $PY -m jaxllm.benchmarks latency --model llama-3-8b \
+      --load-format dummy --dtype bfloat16 --context-len 1024 --unroll-layers --iters 20 \
+      --no-progress --batch-sizes 1,64,256 --output-json "$DIR/v2_bf16.json"
     step w1_restart_dummy 60 200 $PY $RESTART --model llama-3-8b --load-format dummy \
       --output-json "$DIR/w1_restart_dummy.json"
     rm -rf "$HF" "$ORBAX"
@@ -44,7 +52,8 @@ steps() {
 
 summary() {
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
-  grep -h "ready\|wrote\|^ batch\|^ *[0-9]\+ \+[0-9.]\+ " "$DIR"/w*.log "$DIR"/x1*.log 2>/dev/null | cut -c1-200
+  grep -h "ready\|wrote\|^ batch\|^ *[0-9]\+ \+[0-9.]\+ " "$DIR"/v*.log "$DIR"/w*.log "$DIR"/x1*.log \
+    2>/dev/null | cut -c1-200
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

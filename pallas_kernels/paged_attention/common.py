@@ -143,7 +143,8 @@ def flat_pool(pool: jax.Array) -> jax.Array:
 
 
 def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, block_size: int,
-                  num_kv_heads: int, block_kv: int, key_mask: jax.Array | None, dtype):
+                  num_kv_heads: int, block_kv: int, key_mask: jax.Array | None, dtype,
+                  widen_v_before_staging: bool = False):
     """K and V of compute block ``block`` (keys ``block * block_kv + [0, block_kv)``) of
     sequence ``seq``, kv head ``head``: two [block_kv, D] tiles from the flat pools.
 
@@ -151,6 +152,15 @@ def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, bloc
     marks the keys to read; the others read as 0, so a NaN or garbage page tail never enters
     either product. None: every key is valid. The tiles come back in ``dtype``
     (:func:`compute_dtype`).
+
+    ``widen_v_before_staging`` (FP8 pages, mma.sync kernels: the decode kernel): an FP8 V
+    tile is widened where it is loaded, before Triton stages it in shared memory for the P.V
+    dot. Left to itself Triton stages the 8-bit tile and widens it after, but that dot reads V
+    transposed and there is no 8-bit transposing ldmatrix: the decode kernel's SASS for sm_90
+    read it byte by byte (64 LDS.U8 a step per thread). A product with a runtime 1.0 pins the
+    conversion before the staging (16-bit ldmatrix.trans; main loop 562 -> 528 instructions,
+    counted, not timed). The prefill kernel's wgmma already stages widened tiles: there the
+    product only adds work (666 -> 698).
     """
     head_dim = k_ref.shape[1]
     width = tables_ref.shape[1]
@@ -162,6 +172,9 @@ def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, bloc
     rows = ((layer_row + pages) * block_size + (key & (block_size - 1))) * num_kv_heads + head
     idx = (rows[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
     if key_mask is None:
+        if widen_v_before_staging and is_fp8(v_ref.dtype):
+            pin = (layer_row >= 0).astype(dtype)  # 1.0, unknown to the compiler
+            return k_ref[idx].astype(dtype), v_ref[idx].astype(dtype) * pin
         return k_ref[idx].astype(dtype), v_ref[idx].astype(dtype)
     mask = jnp.broadcast_to(key_mask[:, None], (block_kv, head_dim))
 

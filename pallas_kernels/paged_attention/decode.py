@@ -86,7 +86,8 @@ def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref,
             key_mask = ((keys >= split_lo) & (keys < split_hi)) if masked else None
             k, v = common.load_kv_block(
                 k_ref, v_ref, tables_ref, layer_row, seq, head, block, block_size=block_size,
-                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask, dtype=dtype)
+                num_kv_heads=num_kv_heads, block_kv=block_kv, key_mask=key_mask, dtype=dtype,
+                widen_v_before_staging=True)
             logit_mask = None if key_mask is None else jnp.broadcast_to(
                 key_mask[None, :], (group_pad, block_kv))
             return common.softmax_step(q, k, v, carry, scale_log2, logit_mask)
