@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import subprocess
@@ -104,6 +103,8 @@ def mma_loops(sass: str) -> list[dict]:
 
 
 def run(args) -> dict:
+    from jaxllm.benchmarks.provenance import source_commit, write_json
+
     ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens, args.context)
     with tempfile.TemporaryDirectory() as tmp:
         ttir_path, cubin = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.cubin")
@@ -116,16 +117,15 @@ def run(args) -> dict:
         cuobjdump = done.stdout.strip().splitlines()[-1]
         sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
-    result = {"kernel": args.kernel, "kv_dtype": args.kv_dtype, "tokens": args.tokens,
-              "context": args.context, "num_warps": warps, "num_stages": stages,
+    result = {"commit": source_commit(), "kernel": args.kernel, "kv_dtype": args.kv_dtype,
+              "tokens": args.tokens, "context": args.context,
+              "num_warps": warps, "num_stages": stages,
               "loops": mma_loops(sass)}
     print(f"{args.kernel} over {args.kv_dtype} pages ({warps} warps, {stages} stages):")
     for loop in result["loops"]:
         top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:8])
         print(f"  loop at {loop['start']}: {loop['instructions']} instructions; {top}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.output_json)
     return result
 
 
