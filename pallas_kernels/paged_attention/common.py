@@ -65,9 +65,10 @@ def is_fp8(dtype) -> bool:
 
 # FP8 pages are widened to float16, not to the query's bfloat16: Hopper turns two e4m3 values
 # into float16 with one instruction, but reaches bfloat16 only through float16 (one more,
-# scalar conversion per element). Counted in the SASS of the decode kernel for sm_90 (Triton
-# 3.6): its main loop is 763 instructions a step widening to bfloat16, 562 to float16, 329 over
-# bfloat16 pages; on the H200 the bfloat16-widened FP8 decode was slower than bf16 pages.
+# scalar conversion per element). Counted in the SASS of the decode kernel for sm_90
+# (benchmarks/kernel_sass.py): its main loop is 760 instructions a step widening to bfloat16,
+# 560 to float16, 325 over bfloat16 pages; on the H200 the bfloat16-widened FP8 decode was
+# slower than bf16 pages.
 # The query enters float16 scaled by 2^-8 (exact) so that any query below 2^24 stays finite;
 # the scores are scaled back in the softmax's constant.
 FP8_QUERY_SCALE = 2.0**-8
@@ -84,7 +85,7 @@ def query_for_dots(q: jax.Array, kv_dtype, scale_log2: float) -> tuple[jax.Array
     """``q`` in :func:`compute_dtype`, and the softmax's scale for it (FP8 pages: q scaled
     into float16's range, the scale compensating)."""
     if not is_fp8(kv_dtype):
-        return q.astype(kv_dtype), scale_log2
+        return q.astype(compute_dtype(q.dtype, kv_dtype)), scale_log2
     return ((q.astype(jnp.float32) * FP8_QUERY_SCALE).astype(jnp.float16),
             scale_log2 / FP8_QUERY_SCALE)
 
@@ -158,9 +159,9 @@ def load_kv_block(k_ref, v_ref, tables_ref, layer_row, seq, head, block, *, bloc
     dot. Left to itself Triton stages the 8-bit tile and widens it after, but that dot reads V
     transposed and there is no 8-bit transposing ldmatrix: the decode kernel's SASS for sm_90
     read it byte by byte (64 LDS.U8 a step per thread). A product with a runtime 1.0 pins the
-    conversion before the staging (16-bit ldmatrix.trans; main loop 562 -> 528 instructions,
-    counted, not timed). The prefill kernel's wgmma already stages widened tiles: there the
-    product only adds work (666 -> 698).
+    conversion before the staging (16-bit ldmatrix.trans; main loop 560 -> 520 instructions,
+    counted by benchmarks/kernel_sass.py, not timed). The prefill kernel's wgmma already
+    stages widened tiles: there the product only adds work (666 -> 698).
     """
     head_dim = k_ref.shape[1]
     width = tables_ref.shape[1]
