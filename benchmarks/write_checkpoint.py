@@ -54,9 +54,23 @@ def _tensor(pool: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray
     return np.ascontiguousarray(flat[start:start + size]).reshape(shape)
 
 
+def _shards(shapes: dict[str, tuple[int, ...]], shard_bytes: int) -> list[list[str]]:
+    """Tensor names per file, in order, each file at most ``shard_bytes`` (or one tensor)."""
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = 2 * int(np.prod(shape))
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
 def write_checkpoint(cfg, out_dir: str, *, shard_bytes: int, seed: int = 0,
                      std: float = 0.02) -> dict:
-    """Writes the checkpoint; returns its tensor count, bytes and shard files."""
+    """Writes the checkpoint, one file's tensors in host memory at a time; returns its tensor
+    count, bytes and files."""
     from safetensors.numpy import save_file
 
     from jaxllm.loading.assemble import expected_hf_shapes
@@ -65,26 +79,19 @@ def write_checkpoint(cfg, out_dir: str, *, shard_bytes: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     pool = (rng.standard_normal(POOL_ELEMENTS, np.float32) * std).astype(ml_dtypes.bfloat16)
     shapes = expected_hf_shapes(cfg)
-    shards, current, current_bytes = [], {}, 0
-    for i, (name, shape) in enumerate(shapes.items()):
-        nbytes = 2 * int(np.prod(shape))
-        if current and current_bytes + nbytes > shard_bytes:
-            shards.append(current)
-            current, current_bytes = {}, 0
-        # Norm weights near 1, as a trained model's: the forward stays finite.
-        tensor = (np.ones(shape, ml_dtypes.bfloat16) if name.endswith("norm.weight")
-                  else _tensor(pool, shape, 7919 * i))
-        current[name] = tensor
-        current_bytes += nbytes
-    shards.append(current)
+    order = {name: i for i, name in enumerate(shapes)}
+    shards = _shards(shapes, shard_bytes)
     files, weight_map, total = [], {}, 0
-    for i, shard in enumerate(shards):
+    for i, names in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
+        # Norm weights at 1, as a trained model's are near: the forward stays finite.
+        tensors = {name: np.ones(shapes[name], ml_dtypes.bfloat16)
+                   if name.endswith("norm.weight")
+                   else _tensor(pool, shapes[name], 7919 * order[name]) for name in names}
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
         files.append(file)
-        for name, tensor in shard.items():
-            weight_map[name] = file
-            total += tensor.nbytes
+        weight_map |= dict.fromkeys(names, file)
+        total += sum(t.nbytes for t in tensors.values())
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
