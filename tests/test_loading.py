@@ -51,6 +51,39 @@ def test_dtypes(dtype, expected):
     assert {leaf.dtype for leaf in jax.tree.leaves(model.params)} == {jnp.dtype(expected)}
 
 
+@pytest.mark.parametrize("name, unroll", [("llama3_rope_scaling", False), ("qwen2_bias", True)])
+def test_leaves_made_on_the_device_equal_the_host_reads_bit_for_bit(name, unroll):
+    """The fast path (the stored rows moved raw, then cast, fused and transposed on the
+    device) gives exactly the params of the host-side spec (``Leaf.read``): GQA q/k/v fused
+    by KV head (and their biases), gate/up interleaved, lm_head transposed, each cast from the
+    checkpoint's float32, stacked and per layer."""
+    import dataclasses
+
+    from jaxllm.loading.assemble import Leaf, StackedLeaf, hf_leaves, materialize
+    from jaxllm.loading.safetensors_io import open_checkpoint
+
+    def host_only(leaf):
+        if isinstance(leaf, StackedLeaf):
+            return dataclasses.replace(leaf, layers=tuple(map(host_only, leaf.layers)))
+        return dataclasses.replace(leaf, put=None)
+
+    path = os.path.join(TINY_DIR, name)
+    config = jaxllm.loading._read_hf_config(os.path.join(path, "config.json"))
+    tensors = open_checkpoint(path)
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        leaves = hf_leaves(config, config, lambda n: tensors[n].get(n), set(tensors),
+                           jnp.dtype(dtype), path, unroll_layers=unroll)
+        is_leaf = lambda x: isinstance(x, Leaf)  # noqa: E731
+        assert all(leaf.put is not None for leaf in jax.tree.leaves(leaves, is_leaf=is_leaf)
+                   if not isinstance(leaf, StackedLeaf))
+        got = materialize(leaves, dtype, None)
+        want = materialize(jax.tree.map(host_only, leaves, is_leaf=is_leaf), dtype, None)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert a.dtype == b.dtype == dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8))
+
+
 def test_dummy_weights_have_the_real_shapes_without_reading_files():
     cfg = ModelConfig(vocab_size=1000, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,

@@ -6,7 +6,9 @@ Hugging Face layouts ([out, in] for linear weights); this module checks each sha
 the config and builds the tree documented in :mod:`jaxllm.models.llama` (its fused column
 orders included). Each leaf is described by a :class:`Leaf` that reads any block of it from
 the source; a device's shard is read straight from the (memory-mapped) tensors, so no leaf is
-ever whole in host memory unless one device holds it whole.
+ever whole in host memory unless one device holds it whole. Float leaves also make their
+blocks on the device from the stored rows (:mod:`jaxllm.loading.device_blocks`), the path
+loading takes; their host reads are its spec.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.linear import FP8_DTYPE, PER_WORD, Fp8Weight, Int4Weight
+from jaxllm.loading.device_blocks import fused_block, on_device
 from jaxllm.model_config import ModelConfig
 from jaxllm.parallel.mesh import PP_AXIS
 from jaxllm.parallel.sharding import path_names
@@ -44,6 +47,9 @@ class Leaf:
 
     shape: tuple[int, ...]
     read: Callable[[Index], np.ndarray]  # one slice per axis -> that block, on the host
+    # Where set, the same block made on a device (None: the default one) from the tensors as
+    # stored, and used instead of ``read``: see :mod:`jaxllm.loading.device_blocks`.
+    put: Callable[[Index, Any], jax.Array] | None = None
 
 
 def reads_int4(quantization: QuantizationConfig | None) -> bool:
@@ -178,11 +184,14 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
         return np.asarray(array).astype(dtype, copy=False)
 
     def whole(name: str) -> Leaf:
-        return Leaf(expected[name], lambda idx: cast(load(name)[idx]))
+        return Leaf(expected[name], lambda idx: cast(load(name)[idx]),
+                    lambda idx, device: on_device([load(name)[idx]], None, device, dtype, False))
 
     def transposed(name: str) -> Leaf:  # [out, in] -> [in, out]
         out, inp = expected[name]
-        return Leaf((inp, out), lambda idx: cast(load(name)[idx[1], idx[0]].T))
+        return Leaf((inp, out), lambda idx: cast(load(name)[idx[1], idx[0]].T),
+                    lambda idx, device: on_device([load(name)[idx[1], idx[0]]], None, device,
+                                                  dtype, True))
 
     def fused(names: list[str], columns: tuple[np.ndarray, np.ndarray], bias: bool) -> Leaf:
         parts = columns[0]
@@ -195,7 +204,10 @@ def hf_leaves(checkpoint: ModelConfig, config: ModelConfig, get: GetTensor,
             return fill_fused(block, columns, cols, names, lambda name, r: cast(
                 load(name)[r] if bias else load(name)[r][:, idx[0]].T))
 
-        return Leaf((len(parts),) if bias else (inp, len(parts)), read)
+        def put(idx: Index, device: Any) -> jax.Array:
+            return fused_block(load, names, columns, idx, device, dtype, bias=bias)
+
+        return Leaf((len(parts),) if bias else (inp, len(parts)), read, put)
 
     def int4(prefixes: list[str], columns: tuple[np.ndarray, np.ndarray]) -> Int4Weight:
         """The fused kernel of ``prefixes`` as packed words, scales and zero points, each
@@ -300,7 +312,7 @@ def _stacked(*layers: Leaf) -> StackedLeaf:
     def read(idx: Index) -> np.ndarray:
         return np.stack([layers[i].read(idx[1:]) for i in range(len(layers))[idx[0]]])
 
-    return StackedLeaf((len(layers), *layers[0].shape), read, layers)
+    return StackedLeaf((len(layers), *layers[0].shape), read, layers=layers)
 
 
 def _put_staged(leaf: StackedLeaf, sharding: NamedSharding) -> jax.Array:
@@ -337,8 +349,14 @@ def _put(leaf: Leaf, sharding: NamedSharding | None) -> jax.Array:
             part.delete()
         return stacked
     if sharding is None:
-        return jnp.asarray(leaf.read(tuple(slice(None) for _ in leaf.shape)))
-    return jax.make_array_from_callback(leaf.shape, sharding, leaf.read)
+        everything = tuple(slice(None) for _ in leaf.shape)
+        return jnp.asarray(leaf.read(everything)) if leaf.put is None else \
+            leaf.put(everything, None)
+    if leaf.put is None:
+        return jax.make_array_from_callback(leaf.shape, sharding, leaf.read)
+    blocks = [leaf.put(idx, device)
+              for device, idx in sharding.addressable_devices_indices_map(leaf.shape).items()]
+    return jax.make_array_from_single_device_arrays(leaf.shape, sharding, blocks)
 
 
 def materialize(leaves: Any, dtype: Any, shardings: Callable[[Any], Any] | None,

@@ -30,7 +30,7 @@ import jaxllm
 from jaxllm import LLM, AsyncLLMEngine, SamplingParams
 from jaxllm.cli import main as cli_main
 from jaxllm.loading import LoadedModel
-from jaxllm.loading.assemble import hf_leaves, replicate_kv_heads
+from jaxllm.loading.assemble import StackedLeaf, hf_leaves, replicate_kv_heads
 from jaxllm.loading.safetensors_io import open_checkpoint
 from jaxllm.parallel import param_shardings
 
@@ -175,7 +175,8 @@ def test_hf_checkpoints_load_straight_into_their_shards(name):
 
 def test_a_leaf_reads_any_block_on_its_own():
     """What a device's callback gets: a block read from the tensors equals the whole leaf's
-    block (the fused columns included), so no device needs the whole leaf."""
+    block (the fused columns included), so no device needs the whole leaf; so does the block
+    made on that device alone from the stored rows (each stacked layer's ``put``)."""
     path = os.path.join(TINY_DIR, "qwen2_bias")
     one = jaxllm.load_model(path, dtype="float32")
     tensors = open_checkpoint(path)
@@ -187,8 +188,15 @@ def test_a_leaf_reads_any_block_on_its_own():
     for leaf, want, sharding in zip(jax.tree.leaves(leaves, is_leaf=lambda x: hasattr(x, "read")),
                                     jax.tree.leaves(one.params), jax.tree.leaves(shardings),
                                     strict=True):
-        for index in sharding.addressable_devices_indices_map(want.shape).values():
+        for device, index in sharding.addressable_devices_indices_map(want.shape).items():
             np.testing.assert_array_equal(leaf.read(index), np.asarray(want)[index])
+            parts = [(layer, index[1:], np.asarray(want)[i]) for i, layer in
+                     enumerate(leaf.layers)] if isinstance(leaf, StackedLeaf) else \
+                [(leaf, index, np.asarray(want))]
+            for part, part_index, whole in parts:
+                block = part.put(part_index, device)
+                assert block.devices() == {device}
+                np.testing.assert_array_equal(block, whole[part_index])
             checked += 1
     assert checked == 2 * len(jax.tree.leaves(one.params))
 
