@@ -11,7 +11,9 @@ compilation happen before), with no profiler. For every step it records:
   launched it, update and device wait of its ``_record``;
 - ``done``: when its sampled tokens were on the host. The engine is wrapped on the instance,
   nothing in ``jaxllm/engine/`` changes: ``_launch`` (a timestamp when it returns) and
-  ``_record``, whose ``pending.wait()`` (the ``device_get`` of the samples) is timed.
+  ``_record``, whose ``pending.wait()`` (the ``device_get`` of the samples) is timed. A
+  timestamp after ``engine.step()`` returns would add the recording of the tokens (update)
+  that follows the wait.
 
 What ``done`` measures under async scheduling (the default): one ``engine.step()`` call
 schedules and launches step k+1, then builds outputs, then waits for step k. The device holds
@@ -19,7 +21,7 @@ k+1 behind k, so it runs on without a gap while the host waits, and ``done_k`` i
 on the device plus the samples' copy, whenever the host had to wait (``wait`` above
 ``--wait-threshold-ms``). Then ``interval_k = done_k - done_(k-1)`` is step k's device time
 (the copy latency cancels). A step whose wait was shorter was finished before the host asked:
-its interval is host-bound (flagged ``host_bound``; the device idled or ran ahead inside it).
+its interval is host-bound (flagged ``host_bound``): an upper bound on its device time.
 ``device_ms`` = ``done_k - max(done_(k-1), launched_k)`` also drops the device idle before a
 late launch (sync steps, the first step). Intervals sum to the timed wall less the tail after
 the last step's tokens (the final outputs); step 0's interval holds adding the requests.
@@ -42,13 +44,16 @@ tokens, KV tokens, mean floor, efficiency (floor / interval, summed over the bin
 lost against the floor and the part of the floor that padding adds; then the totals. Writes
 the same with every step's record as JSON (``--output-json``, default step_timeline.json).
 
-Issue 17's run on one H200 (Llama-3-8B shape, dummy bf16, no tokenizer needed offline):
+Issue 17's run on one H200 (Llama-3-8B shape, dummy bf16, no tokenizer needed offline; the
+memory fraction as benchmarks/gpu_chain.sh sets it: 48000 KV blocks and the weights need
+more than JAX's default 75%); nominal ceilings, or ``--bandwidth measure --peak-flops
+measure`` (the JSON keeps every step's sizes: floors under other ceilings can be recomputed):
 
-    PYTHONPATH=.:.gpu_deps python -m jaxllm.benchmarks.step_timeline --model llama-3-8b \\
-        --load-format dummy --dtype bfloat16 --no-progress --dataset-name sharegpt-like \\
-        --num-prompts 1000 --max-num-seqs 1024 --max-num-batched-tokens 8192 \\
-        --num-gpu-blocks-override 48000 --unroll-layers --bandwidth measure \\
-        --peak-flops measure --output-json step_timeline_8b.json
+    PYTHONPATH=. XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 python3 -m jaxllm.benchmarks.step_timeline \
+        --model llama-3-8b --load-format dummy --dtype bfloat16 --no-progress \
+        --dataset-name sharegpt-like --num-prompts 1000 --max-num-seqs 1024 \
+        --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers \
+        --output-json step_timeline_8b.json
 """
 
 from __future__ import annotations
