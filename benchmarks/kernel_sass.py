@@ -37,26 +37,42 @@ print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 """
 
 
+def _capture(fn, args) -> str:
+    """The Triton IR (text) of the last Pallas kernel in ``jax.jit(fn)`` as JAX lowers it for
+    an sm_90 GPU (the GPU query faked)."""
+    import jax
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    captured = []
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        module = lower(*a, **kw)
+        captured.append(module.module.operation.get_asm(enable_debug_info=False))
+        return module
+
+    saved = (registration.lowering.lower_jaxpr_to_triton_module,
+             registration.gpu_info_lib.get_gpu_info)
+    registration.lowering.lower_jaxpr_to_triton_module = keep
+    registration.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        (registration.lowering.lower_jaxpr_to_triton_module,
+         registration.gpu_info_lib.get_gpu_info) = saved
+    return captured[-1]
+
+
 def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple[str, int, int]:
-    """The kernel's Triton IR (text) as JAX lowers it for an sm_90 GPU, and its warps and
-    stages."""
+    """An attention kernel's Triton IR for sm_90, and its warps and stages."""
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import pallas_call_registration as registration
     from jaxllm.pallas_kernels.paged_attention import (
         paged_attention_decode,
         paged_attention_prefill,
     )
     from jaxllm.pallas_kernels.paged_attention.decode import DecodeConfig
     from jaxllm.pallas_kernels.paged_attention.prefill import PrefillConfig
-
-    captured = []
-    lower = registration.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*args, **kwargs):
-        module = lower(*args, **kwargs)
-        captured.append(module.module.operation.get_asm(enable_debug_info=False))
-        return module
 
     seqs = tokens if kernel == "decode" else 1
     width = -(-(context + tokens) // BLOCK)
@@ -68,59 +84,142 @@ def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple
             jax.ShapeDtypeStruct((tokens,), jnp.int32))
     run = paged_attention_decode if kernel == "decode" else paged_attention_prefill
     config = DecodeConfig() if kernel == "decode" else PrefillConfig()
-    saved = (registration.lowering.lower_jaxpr_to_triton_module,
-             registration.gpu_info_lib.get_gpu_info)
-    registration.lowering.lower_jaxpr_to_triton_module = keep
-    registration.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
-    try:
-        jax.jit(lambda *a: run(*a, scale=HEAD_DIM**-0.5)).trace(*args).lower(
-            lowering_platforms=("cuda",))
-    finally:
-        (registration.lowering.lower_jaxpr_to_triton_module,
-         registration.gpu_info_lib.get_gpu_info) = saved
-    return captured[-1], config.num_warps, config.num_stages
+    ttir = _capture(lambda *a: run(*a, scale=HEAD_DIM**-0.5), args)
+    return ttir, config.num_warps, config.num_stages
 
 
-def mma_loops(sass: str) -> list[dict]:
-    """Every loop (a backward branch's span) holding MMA instructions: its instruction count
-    and opcode histogram."""
+def capture_gemv(k: int, n: int, tokens: int, group: int, config) -> tuple[str, int, int]:
+    """The int4 GEMV's Triton IR for sm_90 over a [K, N] weight at ``tokens`` bf16 rows."""
+    import jax
+    import jax.numpy as jnp
+    from jaxllm.pallas_kernels.quantized_matmul import int4_gemv
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [
+        ((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
+        ((k // group, n), jnp.uint8)]]
+    ttir = _capture(lambda x, q, s, z: int4_gemv(x, q, s, z, group_size=group, config=config),
+                    args)
+    return ttir, config.num_warps, config.num_stages
+
+
+def _code(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of every instruction (predicates dropped)."""
     code = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)(.*)", line)
         if m:
             code.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return code
+
+
+def _opcodes(sass: str) -> list[str]:
+    return [op for _, op, _ in _code(sass)]
+
+
+def loops(sass: str, mma_only: bool = True) -> list[dict]:
+    """Every loop (a backward branch's span; with ``mma_only``, those holding MMA instructions:
+    ``HMMA``/``HGMMA``): its start, instruction count and opcode histogram."""
+    code = _code(sass)
     where = {address: i for i, (address, _, _) in enumerate(code)}
-    loops = []
+    found = []
     for i, (address, op, rest) in enumerate(code):
         target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
         if target and int(target.group(1), 16) < address and int(target.group(1), 16) in where:
             body = [op for _, op, _ in code[where[int(target.group(1), 16)]:i + 1]]
-            if any(op.startswith(("HMMA", "HGMMA")) for op in body):
-                loops.append({"start": hex(code[where[int(target.group(1), 16)]][0]),
+            if not mma_only or any(op.startswith(("HMMA", "HGMMA")) for op in body):
+                found.append({"start": hex(code[where[int(target.group(1), 16)]][0]),
                               "instructions": len(body),
-                              "opcodes": dict(collections.Counter(body).most_common(16))})
-    return loops
+                              "opcodes": dict(collections.Counter(body).most_common())})
+    return found
+
+
+def compile_sass(ttir: str, warps: int, stages: int, triton_python: str) -> str:
+    """The SASS of the Triton IR compiled for sm_90 by ``triton_python``'s Triton."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ttir_path, cubin = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.cubin")
+        with open(ttir_path, "w") as f:
+            f.write(ttir)
+        done = subprocess.run([triton_python, "-c", _COMPILE, ttir_path, str(warps),
+                               str(stages), cubin], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"triton.compile failed in {triton_python}:\n{done.stderr}")
+        cuobjdump = done.stdout.strip().splitlines()[-1]
+        return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def _gemv_config(args):
+    """The config named by --gemv-config (fields over the defaults), else gemv_config's."""
+    from jaxllm.pallas_kernels.quantized_matmul import Int4GemvConfig, gemv_config
+
+    if args.gemv_config is None:
+        return gemv_config(args.tokens, args.k, args.n, args.group_size)
+    fields = {}
+    for item in filter(None, args.gemv_config.split(",")):
+        name, value = item.split("=")
+        fields[name.strip()] = {"True": True, "False": False, "None": None}.get(
+            value.strip(), value.strip())
+        if isinstance(fields[name.strip()], str):
+            fields[name.strip()] = int(value)
+    return Int4GemvConfig(**fields)
+
+
+def run_gemv(args) -> dict:
+    """The GEMV's main loop (its longest loop): instructions per iteration and per weight."""
+    from jaxllm.benchmarks.provenance import source_commit, write_json
+    from jaxllm.pallas_kernels.quantized_matmul.reference import PER_WORD
+
+    config = _gemv_config(args)
+    ttir, warps, stages = capture_gemv(args.k, args.n, args.tokens, args.group_size, config)
+    sass = compile_sass(ttir, warps, stages, args.triton_python)
+    if args.sass_out:
+        with open(args.sass_out, "w") as f:
+            f.write(sass)
+    found = loops(sass, mma_only=False)
+    step = config.step_words(args.k, args.group_size)
+    steps = args.k // PER_WORD // step // config.splits(args.k, args.n, args.group_size)
+    if found:
+        main_loop = max(found, key=lambda loop: loop["instructions"])
+        iterations = 1
+    else:  # one step a program: the loop is gone; count the whole kernel (its set-up too)
+        body = [op for op in _opcodes(sass) if op not in ("NOP", "EXIT", "BRA")]
+        main_loop = {"start": "kernel (no loop)", "instructions": len(body),
+                     "opcodes": dict(collections.Counter(body).most_common())}
+        iterations = steps
+    # One iteration of the kernel's step loop reads step_words x 8 weights of block_n columns
+    # with 32 x num_warps threads; a SASS instruction is one per thread.
+    weights = iterations * step * PER_WORD * config.block_n
+    per_thread = weights / (32 * warps)
+    result = {"commit": source_commit(), "kernel": "gemv", "k": args.k, "n": args.n,
+              "tokens": args.tokens, "group_size": args.group_size, "config": repr(config),
+              "steps_per_program": steps,
+              "num_warps": warps, "num_stages": stages, "weights_per_iteration": weights,
+              "weights_per_thread": per_thread, "loops": found,
+              "main_loop": main_loop,
+              "instructions_per_weight": main_loop["instructions"] / per_thread}
+    print(f"gemv K={args.k} N={args.n} tokens={args.tokens} group={args.group_size}: {config}")
+    print(f"  main loop at {main_loop['start']}: {main_loop['instructions']} instructions an "
+          f"iteration per thread ({steps} steps a program), {per_thread:g} weights per thread -> "
+          f"{result['instructions_per_weight']:.2f} instructions per weight")
+    print("  " + ", ".join(f"{op} {n}" for op, n in main_loop["opcodes"].items()))
+    for loop in found:
+        if loop is not main_loop:
+            print(f"  (other loop at {loop['start']}: {loop['instructions']} instructions)")
+    write_json(result, args.output_json)
+    return result
 
 
 def run(args) -> dict:
     from jaxllm.benchmarks.provenance import source_commit, write_json
 
+    if args.kernel == "gemv":
+        return run_gemv(args)
     ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens, args.context)
-    with tempfile.TemporaryDirectory() as tmp:
-        ttir_path, cubin = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.cubin")
-        with open(ttir_path, "w") as f:
-            f.write(ttir)
-        done = subprocess.run([args.triton_python, "-c", _COMPILE, ttir_path, str(warps),
-                               str(stages), cubin], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"triton.compile failed in {args.triton_python}:\n{done.stderr}")
-        cuobjdump = done.stdout.strip().splitlines()[-1]
-        sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
-                              check=True).stdout
+    sass = compile_sass(ttir, warps, stages, args.triton_python)
     result = {"commit": source_commit(), "kernel": args.kernel, "kv_dtype": args.kv_dtype,
               "tokens": args.tokens, "context": args.context,
               "num_warps": warps, "num_stages": stages,
-              "loops": mma_loops(sass)}
+              "loops": loops(sass)}
     print(f"{args.kernel} over {args.kv_dtype} pages ({warps} warps, {stages} stages):")
     for loop in result["loops"]:
         top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:8])
@@ -131,18 +230,25 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["decode", "prefill"], default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", "gemv"], default="decode")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
     parser.add_argument("--tokens", type=int, default=None,
-                        help="decode: sequences (256); prefill: chunk tokens (2048)")
+                        help="decode: sequences (256); prefill: chunk tokens (2048); gemv: 1")
     parser.add_argument("--context", type=int, default=1024, help="cached tokens before them")
+    parser.add_argument("--k", type=int, default=4096, help="gemv: the weight's K")
+    parser.add_argument("--n", type=int, default=4096, help="gemv: the weight's N")
+    parser.add_argument("--group-size", type=int, default=128, help="gemv: the int4 group")
+    parser.add_argument("--gemv-config", default=None,
+                        help="gemv: Int4GemvConfig fields, e.g. 'block_n=256,num_warps=8' "
+                        "(default: gemv_config's pick, GEMV_TABLE's entry where listed)")
+    parser.add_argument("--sass-out", default=None, help="gemv: write the whole SASS here")
     parser.add_argument("--triton-python", required=True,
                         help="an interpreter with the triton package (e.g. a venv with "
                         "triton==3.6.0: its compiler and cuobjdump need no GPU)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokens is None:
-        args.tokens = 256 if args.kernel == "decode" else 2048
+        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1}[args.kernel]
     run(args)
 
 

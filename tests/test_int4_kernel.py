@@ -15,6 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxllm.pallas_kernels.quantized_matmul import (
     Int4GemvConfig,
     Int4MatmulConfig,
+    gemv_denormal,
     gemv_unsupported,
     int4_gemv,
     int4_matmul,
@@ -115,6 +116,9 @@ GEMV_CASES = [
     (128, 96, 32, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, num_warps=2)),
     # The tuned configs of the 8B projections (GEMV_TABLE), each at a small shape.
     *[(512, 320, 128, 1, jnp.bfloat16, config) for config in GEMV_TABLE.values()],
+    # The denormal loop without the byte permute (a shift a word) and the 2^23-magic loop.
+    (256, 100, 64, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, byte_permute=False)),
+    (256, 128, 32, 1, jnp.float32, Int4GemvConfig(num_splits=2, denormal=False)),
 ]
 
 
@@ -137,7 +141,8 @@ def test_gemv_lowers_to_triton_for_the_h200():
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     cases = [(1, 4096, 28672, 128, None), (4, 14336, 4096, 128, None),
              *[(m, k, n, 128, None) for m, k, n in GEMV_TABLE],  # the table's configs
-             (16, 4096, 6144, 128, Int4GemvConfig(dot=True)), (3, 512, 100, 32, None)]
+             (16, 4096, 6144, 128, Int4GemvConfig(dot=True)), (3, 512, 100, 32, None),
+             (1, 4096, 4096, 128, Int4GemvConfig(denormal=False))]
     for m, k, n, group, config in cases:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
@@ -147,6 +152,27 @@ def test_gemv_lowers_to_triton_for_the_h200():
         with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
             text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "int4_gemv" in text
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_denormal_unpack_reads_each_nibble_times_x_exactly(pairs):
+    """The GPU path's arithmetic, in numpy (which keeps float32 subnormals; XLA:CPU, and so
+    interpret mode, flushes them): each masked nibble read as a float32 times its pre-scaled x
+    is q x 2^-X_EXP exactly, for every nibble and row parity."""
+    rng = np.random.default_rng(0)
+    words = rng.integers(-2**31, 2**31, (4, 8), dtype=np.int64).astype(np.int32)  # [K/8, N]
+    q = (words.astype(np.int64)[:, None, :] >> (4 * np.arange(8))[None, :, None]) & 0xF
+    x = rng.standard_normal((1, 4, 8)).astype(jnp.bfloat16).astype(np.float32)  # [M, K/8, 8]
+    x[0, 0, 0] = 2.0**42  # the largest |x| the scaling keeps finite is below 2^43
+    xs = np.asarray(gemv_denormal._scaled_x(jnp.asarray(x), pairs, interpret=False))
+    cols = [jnp.asarray(w) for w in words]
+    for r in range(4):
+        for j, (src, pos) in enumerate(gemv_denormal.denormal_nibbles(cols, r, pairs, True)):
+            w = (np.asarray(src) & (0xF << pos)).view(np.float32)
+            got = w.astype(np.float64) * np.float64(xs[0, r, j])  # exact: both have <24 bits
+            np.testing.assert_array_equal(np.float32(got), np.float32(w * xs[0, r, j]))
+            want = q[r, j].astype(np.float64) * np.float64(x[0, r, j]) * 2.0**-gemv_denormal.X_EXP
+            np.testing.assert_array_equal(got, want)
 
 
 def test_gemv_unsupported_shapes_and_configs_are_named():

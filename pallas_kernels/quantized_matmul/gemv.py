@@ -3,7 +3,12 @@
 At a few tokens the projection is bound by reading the packed weight (K N / 2 bytes), so each
 int32 word is read once, unpacked in registers and multiplied by the activations with plain
 FMAs (no tensor-core dot padded to 16 rows: at 1 token that is 15 rows of wasted work and a
-register reshuffle per tile). Per word row r of a step and nibble j, input row 8r + j::
+register reshuffle per tile). The default inner loop (``denormal=True``, gemv_denormal.py) reads
+each masked nibble as a float32 subnormal against x pre-scaled by a power of two and takes the
+zero point out of the loop: one LOP3 and one FFMA a weight (~2.4-2.8 instructions a weight in
+all, against ~5.5-6.4 for the loop below, in the sm_90 SASS of the Llama-3-8B projections).
+The loop before it (``denormal=False``), per word row r of a step and nibble j, input row
+8r + j::
 
     bits  = (word >> shift_j) & (0xF << p_j) | 0x4B000000     float32 2^23 + q 2^p_j, exact
     w     = bits - (2^23 + z[g, n] 2^p_j)                       (q - z) 2^p_j, exact
@@ -13,10 +18,10 @@ register reshuffle per tile). Per word row r of a step and nibble j, input row 8
 
 The OR with 2^23's bit pattern turns the nibble into a float without an int-to-float
 conversion (a quarter-rate instruction on Hopper), and the nibble is masked where it sits
-(p_j = 4j for j < 5; the upper three come from the word shifted by 12), so most nibbles cost
-one logic op. The scale multiplies a step's partial sums, not every weight: a step never
-crosses a group. At 1-2 tokens the step's rows are reduced once at the end of the program;
-with more tokens that accumulator would not fit in registers, so each step reduces its rows.
+(p_j = 4j for j < 5; the upper three come from the word shifted by 12). The scale multiplies
+a step's partial sums, not every weight: a step never crosses a group. At 1-2 tokens the
+step's rows are reduced once at the end of the program; with more tokens that accumulator
+would not fit in registers, so each step reduces its rows.
 
     grid = (cdiv(N, block_n), splits)
     program (c, s): word rows [s K/8/splits, (s+1) K/8/splits), columns [c block_n, ..)
@@ -39,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .gemv_denormal import denormal_inputs, denormal_kernel
 from .reference import PER_WORD
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -82,6 +88,14 @@ class Int4GemvConfig:
     # above it (more tokens), reduce every step into [M', block_n].
     max_acc_registers: int = 32
     evict_first: bool = False  # weights read once: ask the cache to drop them first
+    # FMAs: read each masked nibble as a float32 subnormal (q 2^(p-149), exact) against x
+    # pre-scaled by 2^(149-p) once per call, and take the zero point out of the loop (one
+    # s z sum_k x_k per group and column): one LOP3 and one FFMA a weight. False: the nibble
+    # OR-ed into 2^23's bits, then a subtract of 2^23 + z, per weight.
+    denormal: bool = True
+    # Denormal path: nibbles 6, 7 of two word rows from one PRMT (inline PTX) instead of a
+    # shift of each word.
+    byte_permute: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
@@ -118,20 +132,28 @@ class Int4GemvConfig:
 
 
 # Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes
-# gemv_config's rule. From the H200 sweep of 2026-12-02 (benchmarks/int4_matmul.py --models 8b
-# --tokens 1 --gemv-sweep, group 128; benchmarks/RESULTS.md): the fastest correct config of
-# each Llama-3-8B projection at one token, against the rule's (us). One sweep: noisy.
+# gemv_config's rule. NOTE: picked for the denormal inner loop from its SASS (sm_90, Triton 3.6:
+# python -m jaxllm.benchmarks.kernel_sass --kernel gemv), NOT timed: a thread owns
+# block_n / (32 num_warps) columns and loads x once per (row, nibble) for all of them, so at
+# least 4 columns a thread, with enough one- or two-warp programs to keep ~8-14 warps an SM.
+# Instructions per weight (whole kernel when a program runs one step, else the loop), against
+# the configs timed on 2026-12-02 with the 2^23-magic loop (benchmarks/RESULTS.md, "The int4
+# GEMV's block configs at one token"; those timings are stale for these entries):
 GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {
-    (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=8),  # qkv: 13.3 against 38.3
-    (1, 4096, 4096): Int4GemvConfig(num_warps=2),  # o: 15.1 against 29.4
-    (1, 4096, 28672): Int4GemvConfig(max_acc_registers=64),  # gate_up: 47.4 against 67.7
-    (1, 14336, 4096): Int4GemvConfig(block_words=8),  # down: 24.1 against 43.7
+    # qkv: 2.73 (was block_n=256, num_warps=8: 6.36 magic, 13.3 us)
+    (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=2),
+    # o: 2.76 (was num_warps=2: 5.52 magic, 15.1 us)
+    (1, 4096, 4096): Int4GemvConfig(block_n=256, num_warps=2),
+    # gate_up: 2.40 (was max_acc_registers=64: 5.53 magic, 47.4 us)
+    (1, 4096, 28672): Int4GemvConfig(block_n=512, num_warps=2),
+    # down: 2.69 (was block_words=8: 6.14 magic, 24.1 us); 8 word rows a step: 32 splits
+    (1, 14336, 4096): Int4GemvConfig(block_n=256, num_warps=2, block_words=8),
 }
 # From 4 tokens the dot variant: counted in the SASS of the kernel compiled for sm_90 (Triton
-# 3.6, K = N = 4096, group 128; not a timing), a step's instructions per weight are ~6 (FMAs)
-# against ~7 (dot) at 1 token, ~9 against ~7 at 2, ~15 against ~7 at 4 (16 word rows a step
-# would spill; 8 taken), ~28 at 8 and ~70 at 16 (FMAs, fewer rows a step) against ~7: the
-# FMAs grow with the tokens, the dot's padded rows cost nothing extra.
+# 3.6, K = N = 4096, group 128; not a timing), instructions per weight of the denormal FMA loop
+# (block_n=256, num_warps=2) are ~2.8 at 1 token, ~3.9 at 2, ~6.5 at 3-4 and ~11.6 at 8,
+# against ~6.6 for the dot at any count (its padded rows cost nothing extra). (The 2^23-magic
+# loop it replaced: ~6, ~9, ~15, ~28.)
 DOT_FROM_TOKENS = 4
 
 
@@ -141,7 +163,10 @@ def gemv_config(m: int, k: int, n: int, group_size: int) -> Int4GemvConfig:
     if (rows, k, n) in GEMV_TABLE:
         return GEMV_TABLE[rows, k, n]
     dot = rows >= DOT_FROM_TOKENS and _pow2_divisor(group_size // PER_WORD) >= DOT_ROWS
-    return Int4GemvConfig(dot=dot, block_words=16 if dot or rows <= 2 else 32 // rows)
+    if dot:
+        return Int4GemvConfig(dot=True)
+    # The denormal loop: 4 columns a thread (see GEMV_TABLE).
+    return Int4GemvConfig(block_n=256, num_warps=2, block_words=16 if rows <= 2 else 32 // rows)
 
 
 def gemv_unsupported(m: int, k: int, n: int, group_size: int,
@@ -246,16 +271,22 @@ def int4_gemv(
     col_blocks = pl.cdiv(n, config.block_n)
     xp = jnp.pad(x2, ((0, rows - m), (0, 0))).reshape(rows, words, PER_WORD)  # [M', K/8, 8]
     groups = scales.shape[0]
-    kernel = functools.partial(
-        _kernel, n=n, steps=split_words // step_words, step_words=step_words,
-        group_words=group_size // PER_WORD, dot=config.dot,
-        reduce=config.reduce_every_step(rows, step_words), evict_first=config.evict_first,
-        dtype=x.dtype)
+    common = dict(n=n, steps=split_words // step_words, step_words=step_words,
+                  group_words=group_size // PER_WORD, evict_first=config.evict_first)
+    if config.dot or not config.denormal:
+        kernel = functools.partial(_kernel, dot=config.dot, dtype=x.dtype,
+                                   reduce=config.reduce_every_step(rows, step_words), **common)
+        x_in, x_specs = [xp], [pl.BlockSpec((rows, words, PER_WORD), lambda c, s: (0, 0, 0))]
+    else:  # x pre-scaled per nibble position (exact powers of two) and its sums per step
+        pairs = config.byte_permute and step_words % 2 == 0
+        x_in = denormal_inputs(xp, step_words, pairs, interpret)
+        kernel = functools.partial(denormal_kernel, interpret=interpret, pairs=pairs, **common)
+        x_specs = [pl.BlockSpec(a.shape, lambda c, s, d=a.ndim: (0,) * d) for a in x_in]
     partial = pl.pallas_call(
         kernel,
         grid=(col_blocks, splits),
         in_specs=[
-            pl.BlockSpec((rows, words, PER_WORD), lambda c, s: (0, 0, 0)),
+            *x_specs,
             pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
             pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
             pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
@@ -267,6 +298,6 @@ def int4_gemv(
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="int4_gemv",
-    )(xp, qweight, scales, zeros)
+    )(*x_in, qweight, scales, zeros)
     y = partial.sum(axis=0) if splits > 1 else partial[0]  # [M', N'] f32
     return y[:m, :n].astype(x.dtype).reshape(*lead, n)

@@ -1,0 +1,142 @@
+"""The GEMV's FMA inner loop at one LOP3 and one FFMA a weight (``Int4GemvConfig.denormal``).
+
+A masked nibble left where it sits in its word, ``bits = word & (0xF << p)``, is below
+float32's exponent field (p <= 20: the field is 0 or 1), and such a bit pattern reads as the
+float ``bits 2^-149`` exactly (the subnormals and the first normal binade are one linear
+range). So with x pre-scaled once per call, ``xs = x 2^(149 - p - X_EXP)`` (a power of two:
+exact), one FFMA adds ``q x 2^-X_EXP`` with no conversion and no bias to subtract. The zero
+point leaves the loop: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k), with
+sum_k x_k per step precomputed::
+
+    per word row r, column n:   part[n] += xs[r, j] * float(word[r, n] & (0xF << p_j))  x8
+    per step (one group):       acc[n]  += s[g, n] part[n];  corr[n] += s z[g, n] xsum[step]
+    per program:                y[n]     = (acc[n] - corr[n]) 2^X_EXP
+
+Each word row is a [block_n] vector in one layout (4 consecutive columns a thread, as the
+words are loaded), so the scale, the zeros and every partial sum share it: no layout
+conversion through shared memory and no cross-thread reduction in the loop; x is one scalar
+load a thread per (row, nibble), shared by the thread's columns. Nibbles 6, 7 (bits 24..31
+would reach the exponent) come from one ``prmt`` per pair of word rows.
+
+Needs float32 subnormals kept (no flush-to-zero): Triton emits ``fma.rn.f32``, and XLA's
+GPU compile flushes only with ``--xla_gpu_ftz``. XLA:CPU flushes them, so interpret mode
+converts ``q`` instead (the same products).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .reference import PER_WORD
+
+SUBNORMAL = 149  # float32 bits b < 2^24 (exponent field 0 or 1) read as b 2^-149
+X_EXP = 64  # partial sums carry 2^-64: xs = x 2^(85 - p) stays finite for |x| < 2^43
+
+
+def _top_bytes(even, odd, interpret: bool):
+    """Byte 3 of ``even`` in bits 0..7 and of ``odd`` in bits 16..23 (bits 8..15 and 24..31
+    are copies the nibble masks drop): one PRMT (``prmt.b32`` with selector 0x7733)."""
+    if interpret:
+        return (jnp.right_shift(even, 24) & 0xFF) | (jnp.right_shift(odd, 8) & 0xFF0000)
+    [top] = pltriton.elementwise_inline_asm(
+        "prmt.b32 $0, $1, $2, 0x7733;", args=[even, odd], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(even.shape, jnp.int32)])
+    return top
+
+
+def denormal_nibbles(words: list, r: int, pairs: bool, interpret: bool) -> list[tuple]:
+    """(source, bit position) of nibbles 0..7 of ``words[r]`` for the denormal path: nibbles
+    0..5 in place (bits 0..23: a float32 whose exponent field is 0 or 1 reads exactly as bits
+    2^-149); nibbles 6, 7 from the top bytes of rows r and r ^ 1 packed into one word (one
+    byte permute a pair of words; positions 0, 4 for the even row, 16, 20 for the odd), or
+    with ``pairs`` False from the word shifted right by 16 (positions 8, 12)."""
+    word = words[r]
+    if pairs:
+        even, odd = (word, words[r + 1]) if r % 2 == 0 else (words[r - 1], word)
+        top = _top_bytes(even, odd, interpret)
+        base = 0 if r % 2 == 0 else 16
+        return [(word, 4 * j) for j in range(6)] + [(top, base), (top, base + 4)]
+    high = jnp.right_shift(word, 16)
+    return [(word, 4 * j) for j in range(6)] + [(high, 8), (high, 12)]
+
+
+def nibble_unit(r: int, j: int, pairs: bool) -> int:
+    """The bit position of nibble j of word row r in denormal_nibbles."""
+    if j < 6:
+        return 4 * j
+    return (4 * (j - 6) + (16 if r % 2 else 0)) if pairs else 4 * (j - 6) + 8
+
+
+def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int,
+                    step_words: int, group_words: int, evict_first: bool, interpret: bool,
+                    pairs: bool):
+    # xs_ref f32[M', K/8, 8]: x[m, 8r + j] 2^(SUBNORMAL - p(r, j) - X_EXP);
+    # xg_ref f32[M', K/8/step_words]: x summed over each step's rows, times 2^-X_EXP;
+    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref f32[M', block_n]
+    rows, block_n = o_ref.shape
+    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
+    tail = n % block_n != 0
+
+    def load(ref, mask):
+        if not tail and not evict_first:
+            return ref[...]
+        return pltriton.load(ref, mask=mask if tail else None, other=0 if tail else None,
+                             eviction_policy="evict_first" if evict_first else None)
+
+    first_word = pl.program_id(1) * steps * step_words
+
+    def step(i, carry):
+        acc, corr = carry
+        r0 = pl.multiple_of(i * step_words, step_words)
+        row = first_word + r0
+        group = row // group_words
+        scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
+        zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32)
+        parts = [None] * rows
+        words = [load(w_ref.at[r0 + r, :], cols < n) for r in range(step_words)]  # i32[bn]
+        for r in range(step_words):
+            for j, (src, pos) in enumerate(denormal_nibbles(words, r, pairs, interpret)):
+                bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
+                if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
+                    # 2^-X_EXP only (_scaled_x)
+                    w = jnp.right_shift(bits, pos).astype(jnp.float32)
+                else:  # read as a float32, no conversion instruction
+                    w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+                for m in range(rows):
+                    t = xs_ref[m, row + r, j] * w  # q x 2^-X_EXP, [bn]
+                    parts[m] = t if parts[m] is None else parts[m] + t
+        acc = tuple(a + scale * p for a, p in zip(acc, parts, strict=True))
+        corr = tuple(c + (scale * zero) * xg_ref[m, row // step_words] for m, c in enumerate(corr))
+        return acc, corr
+
+    init = tuple(tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
+                 for _ in range(2))
+    acc, corr = jax.lax.fori_loop(0, steps, step, init)
+    for m in range(rows):
+        o_ref[m, :] = (acc[m] - corr[m]) * 2.0**X_EXP
+
+
+def _scaled_x(xp: jax.Array, pairs: bool, interpret: bool) -> jax.Array:
+    """x [M', K/8, 8] -> f32[M', K/8, 8]: row 8r + j times 2^(SUBNORMAL - X_EXP - p(r, j))
+    (the bit position of nibble_unit), exact powers of two. Interpret mode: times 2^-X_EXP
+    only (the kernel converts q itself there; a constant 2^-149 would be flushed)."""
+    units = [[0 if interpret else SUBNORMAL - nibble_unit(r, j, pairs) for j in range(PER_WORD)]
+             for r in range(2)]  # [row parity, nibble]
+    unit = np.ldexp(np.float32(1), np.asarray(units, np.int32) - X_EXP).astype(np.float32)
+    rows, words, _ = xp.shape
+    if not pairs:  # the same positions in every row (and K/8 may be odd)
+        return xp.astype(jnp.float32) * unit[0]
+    x2 = xp.astype(jnp.float32).reshape(rows, words // 2, 2, PER_WORD) * unit
+    return x2.reshape(rows, words, PER_WORD)
+
+
+def denormal_inputs(xp: jax.Array, step_words: int, pairs: bool,
+                    interpret: bool) -> list[jax.Array]:
+    """x [M', K/8, 8] -> [xs f32[M', K/8, 8], xsum f32[M', K/8/step_words]] (XLA ops)."""
+    rows, words, _ = xp.shape
+    xsum = xp.astype(jnp.float32).reshape(rows, words // step_words, -1).sum(-1)
+    return [_scaled_x(xp, pairs, interpret), xsum * 2.0**-X_EXP]
