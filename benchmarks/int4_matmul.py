@@ -15,7 +15,11 @@ this device relative to the reference's largest value ("BAD" above 2%). One fail
 printed and skipped; the JSON is rewritten after every row, so a run cut short keeps its rows.
 
 ``--gemv-sweep`` adds GEMV block configs and ends with the fastest of each (tokens, shape) as
-lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py).
+lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py). ``--gemv-before``
+adds the GEMV as it was before its denormal inner loop ("gemv before"), timed in the same
+process as the current one ("gemv"):
+
+    python -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1 --gemv-before --gemv-sweep
 
     python -m jaxllm.benchmarks.int4_matmul --models 8b,70b --tokens 1,4,16 --output-json int4.json
 """
@@ -39,21 +43,34 @@ SHAPES = {
 }
 BAD_REL_ERR = 2e-2  # bf16 outputs: a few ulps of the largest value; a wrong nibble is ~100%
 # (label, Int4GemvConfig kwargs) tried by --gemv-sweep besides the default (gemv_config: FMAs
-# below 4 tokens, the dot from 4); "dot" variants only from 4 tokens.
+# below 4 tokens, the dot from 4); "dot" variants only from 4 tokens. The FMA loop is the
+# denormal one (1 LOP3 + 1 FFMA a weight) unless "magic" (the 2^23 loop it replaced): a thread
+# owns block_n / (32 num_warps) columns.
 GEMV_SWEEP = [
-    ("n64", dict(block_n=64)),
-    ("n256 w8", dict(block_n=256, num_warps=8)),
-    ("k8", dict(block_words=8)),
-    ("target 256", dict(target_programs=256)),
-    ("target 1024", dict(target_programs=1024, max_splits=64)),
-    ("evict", dict(evict_first=True)),
-    ("stages 1", dict(num_stages=1)),
-    ("w2", dict(num_warps=2)),
-    ("acc 64", dict(max_acc_registers=64)),
+    ("n128 w1", dict(block_n=128, num_warps=1)),
+    ("n256 w1", dict(block_n=256, num_warps=1)),
+    ("n256 w2", dict(block_n=256, num_warps=2)),
+    ("n256 w2 k8", dict(block_n=256, num_warps=2, block_words=8)),
+    ("n256 w1 t1024", dict(block_n=256, num_warps=1, target_programs=1024, max_splits=64)),
+    ("n512 w2", dict(block_n=512, num_warps=2)),
+    ("n512 w4", dict(block_n=512, num_warps=4)),
+    ("n256 w2 shift", dict(block_n=256, num_warps=2, byte_permute=False)),
+    ("n256 w2 evict", dict(block_n=256, num_warps=2, evict_first=True)),
+    ("n256 w2 stages 1", dict(block_n=256, num_warps=2, num_stages=1)),
+    ("magic", dict(denormal=False)),
+    ("magic n256 w8", dict(block_n=256, num_warps=8, denormal=False)),
     ("dot", dict(dot=True)),
     ("dot n64", dict(dot=True, block_n=64)),
     ("dot n256 w8", dict(dot=True, block_n=256, num_warps=8)),
 ]
+# --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
+# loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
+GEMV_BEFORE = {
+    (1, 4096, 6144): dict(block_n=256, num_warps=8),
+    (1, 4096, 4096): dict(num_warps=2),
+    (1, 4096, 28672): dict(max_acc_registers=64),
+    (1, 14336, 4096): dict(block_words=8),
+}
 
 
 def _time(fn, args, iters: int) -> float:
@@ -102,6 +119,11 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         variants["matmul kernel"] = ("matmul", None)
     if gemv_unsupported(tokens, k, n, group) is None:
         variants["gemv"] = ("gemv", gemv_config(tokens, k, n, group))
+        rows = 1 << max(0, tokens - 1).bit_length()
+        if args.gemv_before and not variants["gemv"][1].dot:  # the old rule's FMA config
+            kwargs = GEMV_BEFORE.get((rows, k, n),
+                                     dict(block_words=16 if rows <= 2 else 32 // rows))
+            variants["gemv before"] = ("gemv", Int4GemvConfig(denormal=False, **kwargs))
     if args.gemv_sweep:
         for label, kwargs in GEMV_SWEEP:
             if kwargs.get("dot") and tokens < 4:
@@ -262,6 +284,9 @@ def main(argv=None) -> None:
                         help="also XLA's dequantize-then-dot (the path without kernels)")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="also the GEMV block configs of GEMV_SWEEP")
+    parser.add_argument("--gemv-before", action="store_true",
+                        help="also the GEMV as it ran before the denormal loop (GEMV_BEFORE's "
+                        "configs with the 2^23-magic loop), in the same process")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in interpret mode (a CPU smoke run: --models tiny)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")
