@@ -1,0 +1,70 @@
+"""``python -m jaxllm.benchmarks.forward_temps``: the device temporaries of the engine's forward
+(and sampler) at given token counts, compiled, not run: what the KV planner subtracts
+(:func:`jaxllm.engine.kv_sizing.activation_bytes`). ``--compare-without-barrier`` compiles
+the same shapes again with :func:`jaxllm.layers.linear._weight_after` made a no-op, the
+forward before ``943e1c5``, whose unrolled layers could all hold their dequantized weights at
+once (issue 16: the Llama-3-70B AWQ run ran out of memory asking 35.6 GiB).
+
+    python -m jaxllm.benchmarks.forward_temps --model llama-3-70b --load-format dummy \\
+        --quantization awq --tokens 64,2048 --compare-without-barrier
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+
+GiB = 1 << 30
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3-70b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--tokens", default="64,2048", help="comma-separated token counts")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--table-width", type=int, default=512, help="blocks a sequence holds")
+    parser.add_argument("--attention-backend", default=None, help="default: the engine's")
+    parser.add_argument("--no-unroll-layers", action="store_true")
+    parser.add_argument("--compare-without-barrier", action="store_true")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from jaxllm.engine.kv_sizing import activation_bytes
+    from jaxllm.loading import load_model
+
+    linear = importlib.import_module("jaxllm.layers.linear")  # the module, not the function
+    t0 = time.perf_counter()
+    model = load_model(args.model, load_format=args.load_format, dtype=args.dtype,
+                       quantization=args.quantization, unroll_layers=not args.no_unroll_layers)
+    print(f"{args.model} {args.quantization or args.dtype}: loaded in "
+          f"{time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
+    backend = args.attention_backend or ("pallas" if jax.default_backend() == "gpu"
+                                         else "reference")
+    barrier = linear._weight_after
+    rows = []
+    for variant in ("barrier", "no barrier") if args.compare_without_barrier else ("barrier",):
+        linear._weight_after = barrier if variant == "barrier" else (lambda x, w: w)
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            t0 = time.perf_counter()
+            temp = activation_bytes(model, tokens, min(args.max_num_seqs, tokens),
+                                    args.table_width, backend)
+            rows.append({"variant": variant, "tokens": tokens, "temp_bytes": temp,
+                         "compile_s": time.perf_counter() - t0})
+            print(f"{variant:>10}  {tokens:6d} tokens  temporaries {temp / GiB:8.2f} GiB  "
+                  f"(compiled in {rows[-1]['compile_s']:.1f} s)", flush=True)
+    linear._weight_after = barrier
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "forward_temps", "args": vars(args), "rows": rows}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()

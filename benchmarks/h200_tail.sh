@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# What a short device call could still check after h200_next.sh (chain for
+# benchmarks/gpu_chain.sh, one GPU), in order:
+#   f1  the Llama-3-70B AWQ forward's temporaries at 2,048 tokens, with and without the
+#       dequantization barrier (943e1c5), compiled, not run (h200_next's x2 ran out of memory)
+#   l1  load_model from a local HF safetensors checkpoint of the 8B shape (ab302b5) against
+#       its orbax conversion
+#   t1  the whole offline run's steps by size against their cost floors (bf16, a1's flags)
+#   call:   JAXLLM_COMMIT=<commit> BUDGET=280 bash benchmarks/h200_tail.sh start &&
+#           bash benchmarks/h200_tail.sh wait 285
+HERE=$(dirname "${BASH_SOURCE[0]}")
+HF=/tmp/llama-3-8b-hf
+A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers"
+export PYTHONPATH=.:.gpu_deps
+
+steps() {
+  step f1_forward_temps_70b_awq 60 130 $PY -m jaxllm.benchmarks.forward_temps \
+    --model llama-3-70b --quantization awq --tokens 2048 --compare-without-barrier \
+    --output-json "$DIR/f1_forward_temps.json"
+  rm -rf "$HF"
+  step l0_write_hf 20 60 $PY -m jaxllm.benchmarks.write_checkpoint llama-3-8b "$HF"
+  step l1_load_time 60 150 $PY -m jaxllm.benchmarks.load_time "$HF" --formats hf,orbax \
+    --dtype bfloat16 --output-json "$DIR/l1_load_time.json"
+  rm -rf "$HF"
+  # shellcheck disable=SC2086
+  step t1_step_timeline 120 240 $PY -m jaxllm.benchmarks.step_timeline --model llama-3-8b \
+    --load-format dummy --dtype bfloat16 --no-progress --dataset-name sharegpt-like \
+    --num-prompts 1000 $A1 --output-json "$DIR/t1_step_timeline.json"
+  return 0
+}
+
+summary() {
+  grep -h "tokens  temporaries\|loaded in" "$DIR"/f1*.log 2>/dev/null
+  tail -n 8 "$DIR"/l1*.log 2>/dev/null
+  grep -A 16 "^bin " "$DIR"/t1*.log 2>/dev/null | cut -c1-160
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  exec bash "$HERE/gpu_chain.sh" "$0" "$@"
+fi
