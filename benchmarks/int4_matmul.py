@@ -51,6 +51,8 @@ GEMV_SWEEP = [
     ("n256 w1", dict(block_n=256, num_warps=1)),
     ("n256 w2", dict(block_n=256, num_warps=2)),
     ("n256 w2 k8", dict(block_n=256, num_warps=2, block_words=8)),
+    ("n256 w2 k8 prefetch", dict(block_n=256, num_warps=2, block_words=8, prefetch=True)),
+    ("n256 w1 k8 prefetch", dict(block_n=256, num_warps=1, block_words=8, prefetch=True)),
     ("n256 w1 t1024", dict(block_n=256, num_warps=1, target_programs=1024, max_splits=64)),
     ("n512 w2", dict(block_n=512, num_warps=2)),
     ("n512 w4", dict(block_n=512, num_warps=4)),

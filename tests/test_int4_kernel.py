@@ -116,8 +116,10 @@ GEMV_CASES = [
     (128, 96, 32, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, num_warps=2)),
     # The tuned configs of the 8B projections (GEMV_TABLE), each at a small shape.
     *[(512, 320, 128, 1, jnp.bfloat16, config) for config in GEMV_TABLE.values()],
-    # The denormal loop without the byte permute (a shift a word) and the 2^23-magic loop.
+    # The denormal loop without the byte permute (a shift a word), with the next step's words
+    # prefetched, and the 2^23-magic loop.
     (256, 100, 64, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, byte_permute=False)),
+    (512, 128, 64, 1, jnp.float32, Int4GemvConfig(block_words=4, prefetch=True)),  # 8 steps
     (256, 128, 32, 1, jnp.float32, Int4GemvConfig(num_splits=2, denormal=False)),
 ]
 

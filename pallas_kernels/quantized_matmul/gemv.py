@@ -96,6 +96,9 @@ class Int4GemvConfig:
     # Denormal path: nibbles 6, 7 of two word rows from one PRMT (inline PTX) instead of a
     # shift of each word.
     byte_permute: bool = True
+    # Denormal path: load the next step's words while this step's are multiplied (carried in
+    # registers: twice the words live; for programs of several steps and few warps).
+    prefetch: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
@@ -280,7 +283,8 @@ def int4_gemv(
     else:  # x pre-scaled per nibble position (exact powers of two) and its sums per step
         pairs = config.byte_permute and step_words % 2 == 0
         x_in = denormal_inputs(xp, step_words, pairs, interpret)
-        kernel = functools.partial(denormal_kernel, interpret=interpret, pairs=pairs, **common)
+        kernel = functools.partial(denormal_kernel, interpret=interpret, pairs=pairs,
+                                   prefetch=config.prefetch, **common)
         x_specs = [pl.BlockSpec(a.shape, lambda c, s, d=a.ndim: (0,) * d) for a in x_in]
     partial = pl.pallas_call(
         kernel,

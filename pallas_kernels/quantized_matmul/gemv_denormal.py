@@ -73,7 +73,7 @@ def nibble_unit(r: int, j: int, pairs: bool) -> int:
 
 def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int,
                     step_words: int, group_words: int, evict_first: bool, interpret: bool,
-                    pairs: bool):
+                    pairs: bool, prefetch: bool):
     # xs_ref f32[M', K/8, 8]: x[m, 8r + j] 2^(SUBNORMAL - p(r, j) - X_EXP);
     # xg_ref f32[M', K/8/step_words]: x summed over each step's rows, times 2^-X_EXP;
     # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref f32[M', block_n]
@@ -89,15 +89,23 @@ def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps
 
     first_word = pl.program_id(1) * steps * step_words
 
+    def load_words(i):  # a step's word rows, i32[bn] each
+        r0 = i * step_words if isinstance(i, int) else pl.multiple_of(i * step_words, step_words)
+        return tuple(load(w_ref.at[r0 + r, :], cols < n) for r in range(step_words))
+
     def step(i, carry):
-        acc, corr = carry
+        acc, corr, ahead = carry
         r0 = pl.multiple_of(i * step_words, step_words)
         row = first_word + r0
         group = row // group_words
         scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
         zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32)
         parts = [None] * rows
-        words = [load(w_ref.at[r0 + r, :], cols < n) for r in range(step_words)]  # i32[bn]
+        if prefetch:  # this step's words came with the carry; ask for the next step's now
+            # (the last step re-reads its own: in bounds, and cached)
+            words, ahead = ahead, load_words(jnp.minimum(i + 1, steps - 1))
+        else:
+            words = load_words(i)
         for r in range(step_words):
             for j, (src, pos) in enumerate(denormal_nibbles(words, r, pairs, interpret)):
                 bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
@@ -111,11 +119,11 @@ def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps
                     parts[m] = t if parts[m] is None else parts[m] + t
         acc = tuple(a + scale * p for a, p in zip(acc, parts, strict=True))
         corr = tuple(c + (scale * zero) * xg_ref[m, row // step_words] for m, c in enumerate(corr))
-        return acc, corr
+        return acc, corr, ahead
 
-    init = tuple(tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
-                 for _ in range(2))
-    acc, corr = jax.lax.fori_loop(0, steps, step, init)
+    zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
+    init = (zeros, zeros, load_words(0) if prefetch else ())
+    acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
     for m in range(rows):
         o_ref[m, :] = (acc[m] - corr[m]) * 2.0**X_EXP
 
