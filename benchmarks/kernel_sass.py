@@ -1,5 +1,5 @@
 """``python -m jaxllm.benchmarks.kernel_sass``: instruction counts of an attention kernel's
-loops as compiled for the H200 (sm_90), on a machine without a GPU.
+loops, or of the int4 GEMV's, as compiled for the H200 (sm_90), on a machine without a GPU.
 
 Not a timing: a way to see what a kernel change does to the code a GPU would run, between
 device calls. The kernel's Triton IR is captured from JAX's own lowering (the GPU query faked
@@ -9,8 +9,15 @@ the Triton inside jaxlib), disassembled with the ``cuobjdump`` shipped with that
 every loop holding MMA instructions (``HMMA``/``HGMMA``) is printed with its instruction count
 per warp and iteration and its most frequent opcodes.
 
+``--kernel gemv`` (the int4 GEMV over a [--k, --n] weight at --tokens, group --group-size, with
+the config gemv_config picks or --gemv-config's fields) has no MMA: its main loop is its
+longest backward branch (or, when each program runs one step and the loop is gone, the whole
+kernel), printed with instructions per thread and iteration, per weight, and every opcode.
+
     python -m jaxllm.benchmarks.kernel_sass --kernel decode --kv-dtype float8_e4m3fn \\
         --triton-python /tmp/tvenv/bin/python --output-json sass.json
+    python -m jaxllm.benchmarks.kernel_sass --kernel gemv --k 14336 --n 4096 \\
+        --gemv-config block_words=8,denormal=False --triton-python /tmp/tvenv/bin/python
 """
 
 from __future__ import annotations
