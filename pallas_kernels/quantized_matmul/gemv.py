@@ -83,14 +83,14 @@ class Int4GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     dot: bool = False  # tensor-core dot over rows padded to 16 instead of FMAs
-    # Keep per-row partial sums [M', step rows, block_n] across steps and reduce the rows once
-    # (no cross-warp reduction per step) while they fit in this many f32 registers a thread;
-    # above it (more tokens), reduce every step into [M', block_n].
+    # 2^23 loop (denormal=False): keep per-row partial sums [M', step rows, block_n] across
+    # steps and reduce the rows once (no cross-warp reduction per step) while they fit in this
+    # many f32 registers a thread; above it (more tokens), reduce every step into [M', block_n].
     max_acc_registers: int = 32
     evict_first: bool = False  # weights read once: ask the cache to drop them first
     # FMAs: read each masked nibble as a float32 subnormal (q 2^(p-149), exact) against x
     # pre-scaled by 2^(149-p) once per call, and take the zero point out of the loop (one
-    # s z sum_k x_k per group and column): one LOP3 and one FFMA a weight. False: the nibble
+    # s z sum_k x_k per step and column): one LOP3 and one FFMA a weight. False: the nibble
     # OR-ed into 2^23's bits, then a subtract of 2^23 + z, per weight.
     denormal: bool = True
     # Denormal path: nibbles 6, 7 of two word rows from one PRMT (inline PTX) instead of a
