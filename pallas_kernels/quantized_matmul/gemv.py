@@ -135,22 +135,25 @@ class Int4GemvConfig:
 
 
 # Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes
-# gemv_config's rule. NOTE: picked for the denormal inner loop from its SASS (sm_90, Triton 3.6:
-# python -m jaxllm.benchmarks.kernel_sass --kernel gemv), NOT timed: a thread owns
-# block_n / (32 num_warps) columns and loads x once per (row, nibble) for all of them, so at
-# least 4 columns a thread, with enough one- or two-warp programs to keep ~8-14 warps an SM.
-# Instructions per weight (whole kernel when a program runs one step, else the loop), against
-# the configs timed on 2026-12-02 with the 2^23-magic loop (benchmarks/RESULTS.md, "The int4
-# GEMV's block configs at one token"; those timings are stale for these entries):
+# gemv_config's rule. Picked for the denormal inner loop from its SASS (sm_90, Triton 3.6:
+# python -m jaxllm.benchmarks.kernel_sass --kernel gemv): a thread owns block_n / (32 num_warps)
+# columns and loads x once per (row, nibble) for all of them, so at least 4 columns a thread,
+# with enough one- or two-warp programs to keep ~8-14 warps an SM. Then timed once on the H200
+# (2026-12-02 16:16 UTC, benchmarks/int4_matmul.py --models 8b --tokens 1 --gemv-before,
+# benchmarks/RESULTS.md), us against the 2^23-magic loop's configs in the same process:
+# qkv 29.4 against 31.7, o 13.0 against 24.6, gate_up 53.6 against 74.9; down 78.5 against
+# 65.3, so down keeps the magic loop. SASS instructions a weight in the comments (whole kernel
+# when a program runs one step, else the loop). One run of small kernels: noisy.
 GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {
-    # qkv: 2.73 (was block_n=256, num_warps=8: 6.36 magic, 13.3 us)
+    # qkv: 2.73 (the magic loop at block_n=256, num_warps=8: 6.36)
     (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=2),
-    # o: 2.76 (was num_warps=2: 5.52 magic, 15.1 us)
+    # o: 2.76 (magic, num_warps=2: 5.52)
     (1, 4096, 4096): Int4GemvConfig(block_n=256, num_warps=2),
-    # gate_up: 2.40 (was max_acc_registers=64: 5.53 magic, 47.4 us)
+    # gate_up: 2.40 (magic, max_acc_registers=64: 5.53)
     (1, 4096, 28672): Int4GemvConfig(block_n=512, num_warps=2),
-    # down: 2.69 (was block_words=8: 6.14 magic, 24.1 us); 8 word rows a step: 32 splits
-    (1, 14336, 4096): Int4GemvConfig(block_n=256, num_warps=2, block_words=8),
+    # down: the magic loop, 6.14 (denormal at block_n=256, num_warps=2, block_words=8: 2.69,
+    # but slower: too few warps in flight for K = 14336, untested wider)
+    (1, 14336, 4096): Int4GemvConfig(block_words=8, denormal=False),
 }
 # From 4 tokens the dot variant: counted in the SASS of the kernel compiled for sm_90 (Triton
 # 3.6, K = N = 4096, group 128; not a timing), instructions per weight of the denormal FMA loop
