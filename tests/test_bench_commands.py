@@ -548,8 +548,9 @@ def test_write_checkpoint_round_trips_through_the_safetensors_loader(tiny_config
 def test_kernel_sass_captures_triton_ir_and_finds_mma_loops():
     """benchmarks/kernel_sass.py without Triton's compiler: the decode kernel's Triton IR for
     sm_90 (FP8 pages) is captured from JAX's lowering, and the SASS parser finds a loop with
-    MMA instructions by its backward branch (and ignores one without)."""
-    from jaxllm.benchmarks.kernel_sass import capture_ttir, mma_loops
+    MMA instructions by its backward branch (and ignores one without, unless asked for every
+    loop)."""
+    from jaxllm.benchmarks.kernel_sass import capture_ttir, loops
 
     ttir, warps, stages = capture_ttir("decode", "float8_e4m3fn", tokens=4, context=40)
     assert "tt.func" in ttir and "f8E4M3FN" in ttir and (warps, stages) == (4, 3)
@@ -560,6 +561,8 @@ def test_kernel_sass_captures_triton_ir_and_finds_mma_loops():
         "        /*0040*/              @P0 BRA 0x20 ;",
         "        /*0050*/                   FADD R5, R5, R6 ;",
         "        /*0060*/                   BRA 0x50 ;"])
-    loops = mma_loops(sass)
-    assert loops == [{"start": "0x20", "instructions": 3,
-                      "opcodes": {"LDS.U8": 1, "HMMA.16816.F32": 1, "BRA": 1}}]
+    mma = {"start": "0x20", "instructions": 3,
+           "opcodes": {"LDS.U8": 1, "HMMA.16816.F32": 1, "BRA": 1}}
+    assert loops(sass) == [mma]
+    assert loops(sass, mma_only=False) == [
+        mma, {"start": "0x50", "instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]
