@@ -1,12 +1,15 @@
 """``python -m jaxllm.benchmarks.forward_temps``: the device temporaries of the engine's forward
 (and sampler) at given token counts, compiled, not run: what the KV planner subtracts
-(:func:`jaxllm.engine.kv_sizing.activation_bytes`). ``--compare-without-barrier`` compiles
-the same shapes again with :func:`jaxllm.layers.linear._weight_after` made a no-op, the
-forward before ``943e1c5``, whose unrolled layers could all hold their dequantized weights at
-once (issue 16: the Llama-3-70B AWQ run ran out of memory asking 35.6 GiB).
+(:func:`jaxllm.engine.kv_sizing.activation_bytes`). ``--barriers`` compiles the same shapes
+with other forms of :func:`jaxllm.layers.linear._weight_after`: ``none``, the forward before
+``943e1c5``, whose unrolled layers could all hold their dequantized weights at once (issue 16:
+the Llama-3-70B AWQ run ran out of memory asking 35.6 GiB); ``small``, only a 4-bit weight's
+scales and zero points through the barrier (the packed words not: if XLA copies what goes
+through a barrier, their copies are the bulk; on the H200 the full barrier still left 27.8
+GiB at 2,048 tokens).
 
     python -m jaxllm.benchmarks.forward_temps --model llama-3-70b --load-format dummy \\
-        --quantization awq --tokens 64,2048 --compare-without-barrier
+        --quantization awq --tokens 64,2048 --barriers full,none,small
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ def main(argv=None) -> None:
     parser.add_argument("--table-width", type=int, default=512, help="blocks a sequence holds")
     parser.add_argument("--attention-backend", default=None, help="default: the engine's")
     parser.add_argument("--no-unroll-layers", action="store_true")
-    parser.add_argument("--compare-without-barrier", action="store_true")
+    parser.add_argument("--barriers", default="full",
+                        help="comma-separated, of full (the engine's), none, small")
+    parser.add_argument("--compare-without-barrier", action="store_true",
+                        help="the same as --barriers full,none")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
 
@@ -47,10 +53,20 @@ def main(argv=None) -> None:
           f"{time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
     backend = args.attention_backend or ("pallas" if jax.default_backend() == "gpu"
                                          else "reference")
-    barrier = linear._weight_after
+    full = linear._weight_after
+
+    def small(x, weight):  # a 4-bit (qweight, scales, zeros): the small parts only
+        if not isinstance(weight, tuple):
+            return full(x, weight)
+        return (weight[0], *full(x, weight[1:]))
+
+    forms = {"full": full, "none": lambda x, w: w, "small": small}
+    variants = "full,none" if args.compare_without_barrier else args.barriers
     rows = []
-    for variant in ("barrier", "no barrier") if args.compare_without_barrier else ("barrier",):
-        linear._weight_after = barrier if variant == "barrier" else (lambda x, w: w)
+    for variant in variants.split(","):
+        if variant not in forms:
+            parser.error(f"--barriers: {variant!r} is not one of {', '.join(forms)}")
+        linear._weight_after = forms[variant]
         for tokens in (int(t) for t in args.tokens.split(",")):
             t0 = time.perf_counter()
             temp = activation_bytes(model, tokens, min(args.max_num_seqs, tokens),
@@ -59,7 +75,7 @@ def main(argv=None) -> None:
                          "compile_s": time.perf_counter() - t0})
             print(f"{variant:>10}  {tokens:6d} tokens  temporaries {temp / GiB:8.2f} GiB  "
                   f"(compiled in {rows[-1]['compile_s']:.1f} s)", flush=True)
-    linear._weight_after = barrier
+    linear._weight_after = full
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "forward_temps", "args": vars(args), "rows": rows}, f,

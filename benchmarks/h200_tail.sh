@@ -4,8 +4,8 @@
 #   g1  the int4 GEMV's denormal loop (de6139c, its default now: SASS only so far) against the
 #       loop before, Llama-3-8B projections at one token, each checked against the reference
 #   g2  the 8B AWQ decode step at batch 1 with it (4.19 ms back to back before, 86ef6d8)
-#   f1  the Llama-3-70B AWQ forward's temporaries at 2,048 tokens, with and without the
-#       dequantization barrier (943e1c5), compiled, not run (h200_next's x2 ran out of memory)
+#   f1  the Llama-3-70B AWQ forward's temporaries at 2,048 tokens, with the full, no and small
+#       dequantization barrier (943e1c5; small: scales and zeros only), compiled, not run
 #   l1  load_model from a local HF safetensors checkpoint of the 8B shape (ab302b5) against
 #       its orbax conversion
 #   t1  the whole offline run's steps by size against their cost floors (bf16, a1's flags)
@@ -24,7 +24,7 @@ steps() {
     --context-len 1024 --unroll-layers --iters 20 --no-progress \
     --output-json "$DIR/g2_latency_awq.json"
   step f1_forward_temps_70b_awq 60 130 $PY -m jaxllm.benchmarks.forward_temps \
-    --model llama-3-70b --quantization awq --tokens 2048 --compare-without-barrier \
+    --model llama-3-70b --quantization awq --tokens 2048 --barriers full,none,small \
     --output-json "$DIR/f1_forward_temps.json"
   rm -rf "$HF"
   step l0_write_hf 20 60 $PY -m jaxllm.benchmarks.write_checkpoint llama-3-8b "$HF"
