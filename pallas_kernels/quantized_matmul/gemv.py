@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import denormal_inputs, denormal_kernel
+from .gemv_denormal import column_loads, denormal_inputs, denormal_kernel
 from .reference import PER_WORD
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -197,14 +197,7 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words
     # x_ref [M', K/8, 8] (all of x); w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
     # o_ref f32[M', block_n]
     rows, block_n = o_ref.shape
-    cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    tail = n % block_n != 0  # static: only a grid with a last partial block masks its loads
-
-    def load(ref, mask):
-        if not tail and not evict_first:
-            return ref[...]
-        return pltriton.load(ref, mask=mask if tail else None, other=0 if tail else None,
-                             eviction_policy="evict_first" if evict_first else None)
+    cols, load = column_loads(n, block_n, evict_first)
 
     first_word = pl.program_id(1) * steps * step_words
 

@@ -71,13 +71,10 @@ def nibble_unit(r: int, j: int, pairs: bool) -> int:
     return (4 * (j - 6) + (16 if r % 2 else 0)) if pairs else 4 * (j - 6) + 8
 
 
-def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int,
-                    step_words: int, group_words: int, evict_first: bool, interpret: bool,
-                    pairs: bool, prefetch: bool):
-    # xs_ref f32[M', K/8, 8]: x[m, 8r + j] 2^(SUBNORMAL - p(r, j) - X_EXP);
-    # xg_ref f32[M', K/8/step_words]: x summed over each step's rows, times 2^-X_EXP;
-    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref f32[M', block_n]
-    rows, block_n = o_ref.shape
+def column_loads(n: int, block_n: int, evict_first: bool):
+    """This program's output columns i32[block_n] and ``load(ref, mask)``: a plain load unless
+    the grid's last column block is partial (masked, zeros past N; static) or the weights
+    should leave the cache first."""
     cols = pl.program_id(0) * block_n + jnp.arange(block_n, dtype=jnp.int32)
     tail = n % block_n != 0
 
@@ -86,6 +83,18 @@ def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps
             return ref[...]
         return pltriton.load(ref, mask=mask if tail else None, other=0 if tail else None,
                              eviction_policy="evict_first" if evict_first else None)
+
+    return cols, load
+
+
+def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int,
+                    step_words: int, group_words: int, evict_first: bool, interpret: bool,
+                    pairs: bool, prefetch: bool):
+    # xs_ref f32[M', K/8, 8]: x[m, 8r + j] 2^(SUBNORMAL - p(r, j) - X_EXP);
+    # xg_ref f32[M', K/8/step_words]: x summed over each step's rows, times 2^-X_EXP;
+    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref f32[M', block_n]
+    rows, block_n = o_ref.shape
+    cols, load = column_loads(n, block_n, evict_first)
 
     first_word = pl.program_id(1) * steps * step_words
 
