@@ -5,18 +5,15 @@
 #       dequantized weights live); no --num-gpu-blocks-override: the engine sizes the pool
 #       and its log gives the activation peak
 #   x3  the same model served at rate inf (300 prompts) and 10 req/s (100 prompts)
-#   l1  load_model's time from a local HF safetensors checkpoint of the 8B shape (ab302b5:
-#       blocks made on the device) against its orbax conversion
-#   t1  the whole offline run's steps by size against their cost floors (bf16, a1's flags)
 #   a5  Llama-3-8B shape, AWQ int4, offline sharegpt-like, 1000 prompts, h200_session's a1
 #       flags (bf16 gave 11,011 output tok/s there)
+# (The HF load time and the step timeline: h200_tail.sh.)
 #   call 1:   JAXLLM_COMMIT=<commit> BUDGET=640 bash benchmarks/h200_last.sh start &&
 #             bash benchmarks/h200_last.sh wait 560
 #   call 2:   bash benchmarks/h200_last.sh wait 100
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # offline, served
-HF=/tmp/llama-3-8b-hf
 BIG="--max-num-seqs 256 --max-num-batched-tokens 2048 --unroll-layers --quantization awq"
 A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers"
 
@@ -26,15 +23,6 @@ steps() {
   # shellcheck disable=SC2086
   step x3_served_70b_awq 120 240 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-70b DTYPE=$DTYPE \
     N=300 N_RATED=100 ENGINE='$BIG' SERVE_FLAGS=''; served x3 inf,10"
-  rm -rf "$HF"
-  step l0_write_hf 30 90 $PY -m jaxllm.benchmarks.write_checkpoint llama-3-8b "$HF"
-  step l1_load_time 60 200 $PY -m jaxllm.benchmarks.load_time "$HF" --formats hf,orbax \
-    --dtype bfloat16 --output-json "$DIR/l1_load_time.json"
-  rm -rf "$HF"
-  # shellcheck disable=SC2086
-  step t1_step_timeline 150 300 $PY -m jaxllm.benchmarks.step_timeline --model llama-3-8b \
-    --load-format dummy --dtype bfloat16 --no-progress --dataset-name sharegpt-like \
-    --num-prompts 1000 $A1 --output-json "$DIR/t1_step_timeline.json"
   MODEL=llama-3-8b ENGINE="$A1 --quantization awq" offline a5_offline_8b_awq 120 240
   return 0
 }
@@ -43,8 +31,6 @@ summary() {
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
   grep -h "activation peak\|engine ready" "$DIR"/x2*.log "$DIR"/x3_server.log 2>/dev/null \
     | cut -c1-400
-  tail -n 12 "$DIR"/l1*.log 2>/dev/null
-  grep -A 16 "^bin " "$DIR"/t1*.log 2>/dev/null | cut -c1-160
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then
