@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import time
+
+from jaxllm.benchmarks.provenance import source_commit, write_json
 
 GiB = 1 << 30
 
@@ -76,10 +77,8 @@ def main(argv=None) -> None:
             print(f"{variant:>10}  {tokens:6d} tokens  temporaries {temp / GiB:8.2f} GiB  "
                   f"(compiled in {rows[-1]['compile_s']:.1f} s)", flush=True)
     linear._weight_after = full
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"benchmark": "forward_temps", "args": vars(args), "rows": rows}, f,
-                      indent=1)
+    write_json({"benchmark": "forward_temps", "commit": source_commit(), "args": vars(args),
+                "device": jax.devices()[0].device_kind, "rows": rows}, args.output_json)
 
 
 if __name__ == "__main__":
