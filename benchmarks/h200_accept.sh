@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 17's goals in one run on one H200 (chain for benchmarks/gpu_chain.sh), Llama-3-8B shape,
+# dummy bf16, and this session's kernel changes against the tree before them (BEFORE, a second
+# `git archive` unpacked at $BEFORE_TGZ), in order:
+#   k1  kernels: decode at batch 64 x context 2048 (shuffled block tables, timed with the
+#       program's dispatch) against the copy rate; prefill of 2k chunks over 0 / 2k / 8k cached
+#       tokens against the matmul rate (config sweep at the first point)
+#   k0  the same decode point on BEFORE
+#   l1  decode step at batch 1 / 64 / 256, context 1024, waited and back to back; l0 on BEFORE
+#   t1  offline sharegpt-like, 1000 prompts, 1024 / 8192, every step against its floor
+#   s1  served through `jaxllm serve` at its defaults, rate inf (1000) and 10 req/s (300)
+#   t2  offline random 512 in / 128 out, 1000 prompts, every step against its floor
+#   p1  the 8B AWQ decode step at batch 1 in the engine, traced (as h200_profile.sh's p1)
+#   call 1:   JAXLLM_COMMIT=<commit> BUDGET=960 bash benchmarks/h200_accept.sh start &&
+#             bash benchmarks/h200_accept.sh wait 560
+#   call 2:   bash benchmarks/h200_accept.sh wait 400
+HERE=$(dirname "${BASH_SOURCE[0]}")
+# shellcheck source=benchmarks/h200_serving.sh
+source "$HERE/h200_serving.sh"   # served
+A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers"
+SERVE_ENGINE="--num-gpu-blocks-override 48000 --unroll-layers"
+SERVE_FLAGS="--tokenizer .gpu_deps/tokenizer_128k.json"
+LATENCY="-m jaxllm.benchmarks latency --model llama-3-8b --load-format dummy --dtype bfloat16
+  --batch-sizes 1,64,256 --context-len 1024 --unroll-layers --iters 20 --no-progress"
+KERNELS="-m jaxllm.benchmarks.kernels --acceptance --dispatch-included --no-jax --no-sweep"
+TIMELINE="-m jaxllm.benchmarks.step_timeline --model llama-3-8b --load-format dummy
+  --dtype bfloat16 --no-progress --num-prompts 1000 $A1"
+ONE="--model llama-3-8b --load-format dummy --dtype bfloat16 --no-progress --dataset-name random
+  --input-len 1024 --output-len 160 --num-prompts 2 --max-num-seqs 1 --max-num-batched-tokens 2048
+  --num-gpu-blocks-override 2000 --unroll-layers --trace-steps 60:40 --host-profile-steps 110:40 --top 40"
+BEFORE=/tmp/before_tree  # outside $DIR: not packed with the results
+
+steps() {
+  rm -rf "$BEFORE" && mkdir -p "$BEFORE" && tar xzf "${BEFORE_TGZ:-.gpu_deps/before.tgz}" -C "$BEFORE"
+  ln -s "$PWD/.gpu_deps" "$BEFORE/.gpu_deps"
+  # shellcheck disable=SC2086
+  {
+    step k1_kernels 90 200 $PY $KERNELS --budget-s 120 --no-prefill-reference --out "$DIR/k1_kernels.json"
+    step k0_kernels_before 40 100 bash -c "cd $BEFORE && JAXLLM_COMMIT=${BEFORE_COMMIT:-} \
+      $PY $KERNELS --no-prefill --out $DIR/k0_kernels_before.json"
+    step l1_latency 50 100 $PY $LATENCY --output-json "$DIR/l1_latency.json"
+    step l0_latency_before 50 100 bash -c "cd $BEFORE && JAXLLM_COMMIT=${BEFORE_COMMIT:-} \
+      $PY $LATENCY --output-json $DIR/l0_latency_before.json"
+    step t1_sharegpt 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
+      --output-json "$DIR/t1_sharegpt.json"
+    export -f served
+    step s1_served_defaults 150 300 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-8b DTYPE=bfloat16 \
+      N=1000 N_RATED=300 ENGINE='$SERVE_ENGINE' SERVE_FLAGS='$SERVE_FLAGS'; served s1 inf,10"
+    step t2_random 130 260 $PY $TIMELINE --dataset-name random --input-len 512 --output-len 128 \
+      --output-json "$DIR/t2_random.json"
+    step p1_profile_awq_b1 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
+      --out-dir "$DIR/p1"
+    rm -rf "$DIR"/p1/trace
+  }
+  return 0
+}
+
+summary() {
+  grep -h -A 12 "^NVIDIA\|^H200\|copy .* TB/s" "$DIR"/k*.log 2>/dev/null | cut -c1-160 | head -30
+  grep -h "b2b\|roofline" "$DIR"/l*.log 2>/dev/null | cut -c1-200 | head -20
+  grep -h "^total\|^wall" "$DIR"/t*.log 2>/dev/null | cut -c1-200
+  $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
+  grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  exec bash "$HERE/gpu_chain.sh" "$0" "$@"
+fi
