@@ -11,6 +11,8 @@
 #   s1  served through `jaxllm serve` at its defaults, rate inf (1000) and 10 req/s (300)
 #   t2  offline random 512 in / 128 out, 1000 prompts, every step against its floor
 #   p1  the 8B AWQ decode step at batch 1 in the engine, traced (as h200_profile.sh's p1)
+#   i1  the tiled int4 kernel against XLA's dequantize + dot at 128 / 512 / 2048 tokens (the
+#       engine takes XLA's path above 64 tokens: whether the kernel should take more)
 #   call 1:   JAXLLM_COMMIT=<commit> BUDGET=960 bash benchmarks/h200_accept.sh start &&
 #             bash benchmarks/h200_accept.sh wait 560
 #   call 2:   bash benchmarks/h200_accept.sh wait 400
@@ -51,6 +53,8 @@ steps() {
     step p1_profile_awq_b1 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
       --out-dir "$DIR/p1"
     rm -rf "$DIR"/p1/trace
+    step i1_int4_large_m 90 150 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+      --tokens 128,512,2048 --with-xla --copies 8 --output-json "$DIR/i1_int4_large_m.json"
   }
   return 0
 }
