@@ -13,6 +13,8 @@
 #   p1  the 8B AWQ decode step at batch 1 in the engine, traced (as h200_profile.sh's p1)
 #   i1  the tiled int4 kernel against XLA's dequantize + dot at 128 / 512 / 2048 tokens (the
 #       engine takes XLA's path above 64 tokens: whether the kernel should take more)
+#   x3  (when the budget still allows) Llama-3-70B AWQ int4 served on ONE H200 at rate inf (300
+#       prompts) and 10 req/s (100), as h200_last.sh's x3
 #   call 1:   JAXLLM_COMMIT=<commit> BUDGET=960 bash benchmarks/h200_accept.sh start &&
 #             bash benchmarks/h200_accept.sh wait 560
 #   call 2:   bash benchmarks/h200_accept.sh wait 400
@@ -21,6 +23,7 @@ HERE=$(dirname "${BASH_SOURCE[0]}")
 source "$HERE/h200_serving.sh"   # served
 A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers"
 SERVE_ENGINE="--num-gpu-blocks-override 48000 --unroll-layers"
+BIG="--max-num-seqs 256 --max-num-batched-tokens 2048 --unroll-layers --quantization awq"
 SERVE_FLAGS="--tokenizer .gpu_deps/tokenizer_128k.json"
 LATENCY="-m jaxllm.benchmarks latency --model llama-3-8b --load-format dummy --dtype bfloat16
   --batch-sizes 1,64,256 --context-len 1024 --unroll-layers --iters 20 --no-progress"
@@ -55,6 +58,8 @@ steps() {
     rm -rf "$DIR"/p1/trace
     step i1_int4_large_m 90 150 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --tokens 128,512,2048 --with-xla --copies 8 --output-json "$DIR/i1_int4_large_m.json"
+    step x3_served_70b_awq 280 330 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-70b DTYPE=bfloat16 \
+      N=300 N_RATED=100 ENGINE='$BIG' SERVE_FLAGS='$SERVE_FLAGS'; served x3 inf,10"
   }
   return 0
 }
