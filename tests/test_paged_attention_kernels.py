@@ -109,6 +109,15 @@ class DecodeSuite:
         case = case_for(MIXED_CHUNKS[:4], "small_gqa", 8, jnp.float32)
         self.run(case, jnp.float32, block_kv=16)
 
+    @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "three_splits"])
+    @pytest.mark.parametrize("q_heads,kv_heads", [(32, 8), (12, 4)], ids=["G4", "G3"])
+    def test_unpadded_query_groups(self, q_heads, kv_heads, num_splits):
+        """q read in place: G = 4 or 3 real rows of a 16-row tile, the next kv head's rows right
+        after them in q and in the output; padding tokens still give 0."""
+        case = make_case(decode_chunks([1, 17, 100, 300]), block_size=16, num_q_heads=q_heads,
+                         num_kv_heads=kv_heads, head_dim=32, seed=q_heads, extra_tokens=2)
+        self.run(case, jnp.float32, num_splits=num_splits, block_kv=32)
+
 
 class PrefillSuite:
     INTERPRET = True
@@ -227,6 +236,40 @@ class TestMixedGPU(MixedSuite):
         chunks = decode_chunks(rng.integers(1, 1024, size=250).tolist()) + [(0, 300), (512, 64)]
         case = case_for(chunks, "llama3_8b", 16, jnp.bfloat16, extra_tokens=100)
         self.run(case, jnp.bfloat16)
+
+
+def lowered_for_h200(fn, num_tokens: int, heads: str = "llama3_8b") -> str:
+    """Pre-optimization StableHLO of ``fn`` (a kernel, not interpreted) lowered for an H200 from
+    any host: the Triton lowering runs, the kernel is one custom call in the text."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h = HEAD_SHAPES[heads]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    pool = jax.ShapeDtypeStruct((4, 256, 16, h.num_kv_heads, h.head_dim), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((num_tokens, h.num_q_heads, h.head_dim), jnp.bfloat16), pool,
+            pool, i32(), i32(num_tokens, 64), i32(num_tokens), i32(num_tokens + 1),
+            i32(num_tokens))
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(h200):
+        traced = jax.jit(functools.partial(fn, scale=0.1)).trace(*args)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("num_tokens", [1, 256])
+def test_decode_call_has_no_xla_padding_or_float32_output(num_tokens):
+    """Llama-3-8B heads (G = 4 in a 16-row tile): q goes to the kernel unpadded; with one split
+    (256 tokens) the kernel's output is the result, bf16, only reshaped; with 16 splits (one
+    token) the float32 partials hold real rows only and one combine reads them."""
+    text = lowered_for_h200(paged_attention_decode, num_tokens)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.pad" not in text
+    assert f"tensor<{num_tokens}x8x16x128" not in text  # no G' = 16 row axis anywhere
+    if num_tokens == 256:
+        assert "xf32>" not in text and "stablehlo.reduce" not in text
+        assert "(tensor<8192x128xbf16>) -> tensor<256x32x128xbf16>" in text  # free reshape
+    else:
+        assert "tensor<512x128xf32>" in text  # 16 splits x 32 query heads, no padded rows
 
 
 # --- dispatch ---------------------------------------------------------------------------------

@@ -1,14 +1,24 @@
 """Paged decode attention in Pallas (Triton backend): one program per (query token, kv head,
 split), flash-decoding style.
 
-Each program holds the ``G`` query heads that share kv head ``h`` (padded to a power of two
->= 16, the smallest tile ``dot`` takes), walks its share of the token's keys in compute blocks
-of ``block_kv`` keys, and writes a normalized float32 partial plus its log-sum-exp.
-A split-K combine in XLA merges the partials (skipped when there is one split)::
+Each program holds the ``G`` query heads that share kv head ``h`` in a tile of ``G'`` rows (a
+power of two >= 16, the smallest tile ``dot`` takes), walks its share of the token's keys in
+compute blocks of ``block_kv`` keys, and stores the tile's G real rows. q is read in place
+(rows past G are masked loads that read 0) and, with one split, the kernel writes the final
+output in q's dtype; with more, float32 partials plus log-sum-exps that one XLA reduction
+merges::
 
-    grid = (Hkv, T, splits)
-    program (h, t, s):  q[t, h*G:(h+1)*G]  x  keys [kv_lo[t], kv_hi[t]) of seq(t), s-th share
-                        -> o f32[T, Hkv, splits, G', D],  lse f32[T, Hkv, splits, G']
+    grid = (Hkv, T, K)                                q viewed as [T * Hq, D] (free reshape)
+    program (h, t, s):  rows t*Hq + h*G + [0, G)  x  keys [kv_lo[t], kv_hi[t]) of seq(t), s-th
+    K = 1:  -> out [T * Hq, D] in q.dtype             (the caller reshapes it to [T, Hq, D])
+    K > 1:  -> o f32[T * K * Hq, D], lse f32[T * K * Hq]  (row (t*K + s)*Hq + h*G + g)
+
+NOTE: padding q to G' rows in XLA and slicing / converting the float32 output after the call
+cost one pad and 3-4 small fusions a layer (the pad was 0.69 ms of a 34.5 ms 1024-row H200
+decode step). Pre-optimization StableHLO of one call, Llama-3-8B heads (32/8, D = 128),
+lowered for the H200 on CPU: T = 256 (K = 1) 73 -> 67 ops, pad 1 -> 0, slice 3 -> 2, convert
+6 -> 4 (all that is left is token_kv_ranges' metadata on i32[T]); T = 1 (K = 16) 107 -> 103 ops,
+pad 1 -> 0, slice 4 -> 2, the combine's 3 reductions kept.
 
 The kernel is correct for any batch (a prompt chunk just re-reads its context once per query
 token); it is fast when each sequence has one query token, i.e. decode steps.
@@ -64,8 +74,9 @@ class DecodeConfig:
 
 
 def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref,
-                   o_ref, lse_ref, *, scale_log2: float, num_pages: int, block_size: int,
-                   num_kv_heads: int, group: int, block_kv: int, num_splits: int):
+                   o_ref, lse_ref=None, *, scale_log2: float, num_pages: int, block_size: int,
+                   num_kv_heads: int, group: int, group_pad: int, block_kv: int,
+                   num_splits: int):
     head, token, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer_row, seq = layer_ref[0] * num_pages, seq_ref[token]
     lo, hi = lo_ref[token], hi_ref[token]
@@ -76,9 +87,16 @@ def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref,
     split_lo = jnp.maximum(lo, (first_block + split * per_split) * block_kv)
     split_hi = jnp.minimum(hi, (first_block + (split + 1) * per_split) * block_kv)
 
+    # The G query heads of kv head h are G consecutive rows of q [T * Hq, D]; the tile has G'
+    # rows, the ones past G masked (read as 0, never stored), so q needs no padding in XLA.
+    head_dim = q_ref.shape[1]
+    num_q_heads = num_kv_heads * group
+    real = jnp.arange(group_pad, dtype=jnp.int32) < group  # [G']
+    rows_mask = jnp.broadcast_to(real[:, None], (group_pad, head_dim))
+    q_rows = pl.ds(token * num_q_heads + head * group, group_pad)
     dtype = common.compute_dtype(q_ref.dtype, k_ref.dtype)
-    q, scale_log2 = common.query_for_dots(q_ref[...], k_ref.dtype, scale_log2)  # [G', D]
-    group_pad, head_dim = q.shape
+    q, scale_log2 = common.query_for_dots(  # [G', D]
+        pltriton.load(q_ref.at[q_rows, :], mask=rows_mask, other=0), k_ref.dtype, scale_log2)
 
     def step(masked: bool):
         def body(block, carry):
@@ -102,20 +120,23 @@ def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref,
     carry = jax.lax.fori_loop(full_start, full_end, step(False), carry)
     carry = jax.lax.fori_loop(full_end, last, step(True), carry)
     out, lse = common.finish(carry)
-    real = jnp.arange(group_pad, dtype=jnp.int32) < group  # only the real query heads
-    pltriton.store(o_ref, out, mask=jnp.broadcast_to(real[:, None], (group_pad, head_dim)))
-    pltriton.store(lse_ref, lse, mask=real)
+    if lse_ref is None:  # one split: the final output, in q's dtype, rows of [T * Hq, D]
+        pltriton.store(o_ref.at[q_rows, :], out.astype(o_ref.dtype), mask=rows_mask)
+        return
+    # A partial: rows of [T * K * Hq, D] (token, split, query head).
+    rows = pl.ds((token * num_splits + split) * num_q_heads + head * group, group_pad)
+    pltriton.store(o_ref.at[rows, :], out, mask=rows_mask)
+    pltriton.store(lse_ref.at[rows], lse, mask=real)
 
 
-def combine_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """Merges split-K partials o f32[T, Hkv, K, G, D] with log2-sum-exp lse f32[T, Hkv, K, G]."""
-    if o.shape[2] == 1:
-        return o[:, :, 0]
-    m = lse.max(axis=2, keepdims=True)
+def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Merges split-K partials o f32[T, K, Hq, D] with log2-sum-exp lse f32[T, K, Hq] into
+    [T, Hq, D] in ``dtype`` (one reduction over K: XLA fuses it into one kernel)."""
+    m = lse.max(axis=1, keepdims=True)
     weights = jnp.exp2(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # empty splits weigh 0
-    total = weights.sum(axis=2)
-    out = (o * weights[..., None]).sum(axis=2)
-    return out / jnp.where(total > 0, total, 1.0)[..., None]
+    total = weights.sum(axis=1)
+    out = (o * weights[..., None]).sum(axis=1)
+    return (out / jnp.where(total > 0, total, 1.0)[..., None]).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
@@ -147,33 +168,32 @@ def paged_attention_decode(
                                pl.cdiv(block_tables.shape[1] * block_size, block_kv))
 
     seq, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
-    q_pad = common.pad_query(q, num_kv_heads, group_pad)  # [T, Hkv, G', D]
     whole = pl.BlockSpec()
     kernel = functools.partial(
         _decode_kernel, scale_log2=scale * common.LOG2E, num_pages=num_pages,
-        block_size=block_size, num_kv_heads=num_kv_heads, group=group, block_kv=block_kv,
-        num_splits=num_splits)
-    o, lse = pl.pallas_call(
+        block_size=block_size, num_kv_heads=num_kv_heads, group=group, group_pad=group_pad,
+        block_kv=block_kv, num_splits=num_splits)
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype)]
+    else:
+        rows = num_tokens * num_splits * num_q_heads
+        out_shape = [jax.ShapeDtypeStruct((rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    outs = pl.pallas_call(
         kernel,
         # Heads vary fastest: the programs of one token read neighbouring rows of its pages.
         grid=(num_kv_heads, num_tokens, num_splits),
-        in_specs=[whole, whole, whole, whole, whole,
-                  pl.BlockSpec((None, None, group_pad, head_dim), lambda h, t, s: (t, h, 0, 0)),
-                  whole, whole],
-        out_specs=[
-            pl.BlockSpec((None, None, None, group_pad, head_dim),
-                         lambda h, t, s: (t, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, group_pad), lambda h, t, s: (t, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, group_pad, head_dim),
-                                 jnp.float32),
-            jax.ShapeDtypeStruct((num_tokens, num_kv_heads, num_splits, group_pad), jnp.float32),
-        ],
+        in_specs=[whole] * 8,
+        out_specs=[whole] * len(out_shape),
+        out_shape=out_shape,
         compiler_params=common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_attention_decode",
     )(jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), seq, lo, hi,
-      q_pad, common.flat_pool(k_pool), common.flat_pool(v_pool))
-    out = combine_splits(o[:, :, :, :group], lse[..., :group])  # [T, Hkv, G, D]
-    return common.unpad_output(out, num_tokens, num_q_heads).astype(q.dtype)
+      q.reshape(num_tokens * num_q_heads, head_dim),  # free: no copy, no padding
+      common.flat_pool(k_pool), common.flat_pool(v_pool))
+    if num_splits == 1:
+        return outs[0].reshape(num_tokens, num_q_heads, head_dim)
+    o, lse = outs
+    return combine_splits(o.reshape(num_tokens, num_splits, num_q_heads, head_dim),
+                          lse.reshape(num_tokens, num_splits, num_q_heads), q.dtype)
