@@ -4,6 +4,9 @@ linear()'s choice of path; dummy AWQ weights running a model."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import re
 import types
 import warnings
 
@@ -144,7 +147,12 @@ def test_gemv_lowers_to_triton_for_the_h200():
     cases = [(1, 4096, 28672, 128, None), (4, 14336, 4096, 128, None),
              *[(m, k, n, 128, None) for m, k, n in GEMV_TABLE],  # the table's configs
              (16, 4096, 6144, 128, Int4GemvConfig(dot=True)), (3, 512, 100, 32, None),
-             (1, 4096, 4096, 128, Int4GemvConfig(denormal=False))]
+             (1, 4096, 4096, 128, Int4GemvConfig(denormal=False)),
+             # one split: x's dtype stored straight into [M, N], masked past N = 100
+             (1, 512, 100, 32, Int4GemvConfig(num_splits=1)),
+             (2, 512, 100, 32, Int4GemvConfig(num_splits=1, denormal=False)),
+             (1, 4096, 4096, 128, Int4GemvConfig(atomic_splits=True)),
+             (1, 4096, 6144, 128, Int4GemvConfig(x_in_kernel=False))]
     for m, k, n, group, config in cases:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
@@ -159,22 +167,94 @@ def test_gemv_lowers_to_triton_for_the_h200():
 @pytest.mark.parametrize("pairs", [True, False])
 def test_denormal_unpack_reads_each_nibble_times_x_exactly(pairs):
     """The GPU path's arithmetic, in numpy (which keeps float32 subnormals; XLA:CPU, and so
-    interpret mode, flushes them): each masked nibble read as a float32 times its pre-scaled x
-    is q x 2^-X_EXP exactly, for every nibble and row parity."""
+    interpret mode, flushes them): each masked nibble read as a float32 times x scaled by an
+    exponent add (scale_x) is q x 2^-X_EXP exactly, for every nibble and row parity; a zero or
+    subnormal x gives a product of zero (as the exact product rounds to)."""
     rng = np.random.default_rng(0)
     words = rng.integers(-2**31, 2**31, (4, 8), dtype=np.int64).astype(np.int32)  # [K/8, N]
     q = (words.astype(np.int64)[:, None, :] >> (4 * np.arange(8))[None, :, None]) & 0xF
-    x = rng.standard_normal((1, 4, 8)).astype(jnp.bfloat16).astype(np.float32)  # [M, K/8, 8]
-    x[0, 0, 0] = 2.0**42  # the largest |x| the scaling keeps finite is below 2^43
-    xs = np.asarray(gemv_denormal._scaled_x(jnp.asarray(x), pairs, interpret=False))
+    x = rng.standard_normal((4, 8)).astype(jnp.bfloat16)  # [K/8, 8]
+    # the largest |x| the scaling keeps finite is below 2^43; zeros; bf16 subnormals; tiny
+    x[0, :6] = [2.0**42, 0.0, -0.0, 2.0**-130, -2.0**-133, -2.0**-120]
     cols = [jnp.asarray(w) for w in words]
     for r in range(4):
         for j, (src, pos) in enumerate(gemv_denormal.denormal_nibbles(cols, r, pairs, True)):
             w = (np.asarray(src) & (0xF << pos)).view(np.float32)
-            got = w.astype(np.float64) * np.float64(xs[0, r, j])  # exact: both have <24 bits
-            np.testing.assert_array_equal(np.float32(got), np.float32(w * xs[0, r, j]))
-            want = q[r, j].astype(np.float64) * np.float64(x[0, r, j]) * 2.0**-gemv_denormal.X_EXP
-            np.testing.assert_array_equal(got, want)
+            unit = gemv_denormal.x_unit(r, j, pairs, interpret=False)
+            xs = np.float32(gemv_denormal.scale_x(jnp.asarray(x[r, j]), unit, False))
+            got = w * xs  # float32 products, subnormals kept
+            want = q[r, j] * np.float64(x[r, j]) * 2.0**-gemv_denormal.X_EXP
+            np.testing.assert_array_equal(got, np.float32(want))
+            if abs(x[r, j]) >= 2.0**-126:  # normal: the scaling and the product are exact
+                assert np.float64(xs) == np.float64(x[r, j]) * 2.0**unit
+                np.testing.assert_array_equal(np.float64(w) * np.float64(xs), want)
+
+
+def test_scale_x_of_float32_is_an_exact_power_of_two_multiple():
+    x = np.random.default_rng(1).standard_normal(64).astype(np.float32) * 2.0**30
+    for unit in (-64, 21, 85):
+        got = np.asarray(gemv_denormal.scale_x(jnp.asarray(x), unit, False), np.float64)
+        np.testing.assert_array_equal(got, x.astype(np.float64) * 2.0**unit)
+
+
+# The denormal loop reading x as it is (scaled and summed per step in the kernel): K of one
+# to several steps a split, N with a partial last column block (100, 200) or not, groups
+# smaller than, equal to and larger than a step, 1-2 tokens (3: padded nowhere now), one
+# split (x's dtype stored straight into [M, N], masked past N) or several (f32 partials
+# summed by XLA, or added atomically), with and without the byte permute.
+FOLDED_CASES = [
+    (128, 100, 32, 1, jnp.bfloat16, dict(block_n=64, num_splits=1)),
+    (256, 200, 64, 2, jnp.bfloat16, dict(block_n=128, num_splits=1, block_words=4)),
+    (512, 256, 128, 1, jnp.float32, dict(block_n=128, num_splits=1)),
+    (512, 100, 32, 2, jnp.float32, dict(block_n=64, num_splits=4)),
+    (1024, 256, 128, 1, jnp.bfloat16, dict(block_n=256, num_warps=2, num_splits=8)),
+    (1024, 96, 256, 2, jnp.bfloat16, dict(block_n=32, num_splits=2, byte_permute=False)),
+    (256, 100, 64, 3, jnp.float32, dict(block_n=64, num_splits=2)),
+    (512, 200, 64, 1, jnp.bfloat16, dict(block_n=128, num_splits=4, atomic_splits=True)),
+    (256, 128, 32, 2, jnp.float32, dict(block_n=64, num_splits=8, atomic_splits=True)),
+    (256, 100, 128, 1, jnp.bfloat16, dict(block_n=64, num_splits=2, denormal=False,
+                                          atomic_splits=True)),
+    (256, 100, 128, 2, jnp.bfloat16, dict(block_n=64, num_splits=1, denormal=False)),
+    # x scaled and summed by XLA before the call instead
+    (512, 100, 32, 2, jnp.bfloat16, dict(block_n=64, num_splits=4, x_in_kernel=False)),
+    (256, 96, 64, 1, jnp.float32, dict(block_n=32, num_splits=1, x_in_kernel=False,
+                                       byte_permute=False)),
+]
+
+
+@pytest.mark.parametrize("k,n,group,m,dtype,fields", FOLDED_CASES)
+def test_gemv_reads_x_in_the_kernel_and_equals_reference(k, n, group, m, dtype, fields):
+    w = int4_weight(k, n, group, dtype, seed=k + n + m)
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), dtype)
+    x = x.at[:, 5].set(0)  # a zero activation: no term, no share of the zero-point sum
+    config = Int4GemvConfig(**fields)
+    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=group, interpret=True,
+                    config=config)
+    assert got.shape == (m, n) and config.splits(k, n, group) == fields["num_splits"]
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=group)
+    assert_close(got, want, x, w, scale_on_output=True)
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+@pytest.mark.parametrize("atomic", [False, True])
+def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(atomic):
+    """The program around the kernel, lowered for the H200 at one token: x goes in as it is (no
+    XLA pad, multiply or reduce before the call); after it, the sum over the splits (one
+    reduce) and the cast, or with atomic_splits only the zeros it adds into and the cast."""
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    for m, k, n in GEMV_TABLE:
+        args = [jax.ShapeDtypeStruct(s, d) for s, d in [
+            ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // 128, n), jnp.bfloat16),
+            ((k // 128, n), jnp.uint8)]]
+        config = dataclasses.replace(GEMV_TABLE[m, k, n], atomic_splits=atomic)
+        fn = jax.jit(lambda x, q, s, z, c=config: int4_gemv(x, q, s, z, group_size=128,
+                                                            config=c))
+        with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+            text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        ops = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
+        assert ops["custom_call"] == 1
+        assert not {"pad", "multiply", "slice", "concatenate"} & set(ops), ops
+        assert ops["reduce"] == (0 if atomic else 1) and ops["convert"] == 1, ops
 
 
 def test_gemv_unsupported_shapes_and_configs_are_named():

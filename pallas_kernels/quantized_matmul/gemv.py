@@ -25,8 +25,11 @@ would not fit in registers, so each step reduces its rows.
 
     grid = (cdiv(N, block_n), splits)
     program (c, s): word rows [s K/8/splits, (s+1) K/8/splits), columns [c block_n, ..)
-                    -> f32 partial [M', block_n] of split s; XLA sums the splits (one small
-                    fusion, deterministic) and casts
+                    -> one split: [M, block_n] in x's dtype, the call's result (no XLA op
+                       after it);
+                       several: f32 partial [M, block_n] of split s; XLA sums the splits (one
+                       small fusion, deterministic) and casts, or (atomic_splits) the
+                       splits add it into one zeroed f32 [M, N] and XLA only casts
 
 Split-K gives the H200's 132 SMs enough programs at N = 4096 (32 column blocks of 128).
 ``dot=True`` swaps the FMAs for a tensor-core dot over rows padded to 16 (the same unpack):
@@ -44,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import column_loads, denormal_inputs, denormal_kernel
+from .gemv_denormal import column_loads, denormal_kernel, prescaled_inputs, store_row
 from .reference import PER_WORD
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -89,7 +92,7 @@ class Int4GemvConfig:
     max_acc_registers: int = 32
     evict_first: bool = False  # weights read once: ask the cache to drop them first
     # FMAs: read each masked nibble as a float32 subnormal (q 2^(p-149), exact) against x
-    # pre-scaled by 2^(149-p) once per call, and take the zero point out of the loop (one
+    # scaled by 2^(149-p) (exact), and take the zero point out of the loop (one
     # s z sum_k x_k per step and column): one LOP3 and one FFMA a weight. False: the nibble
     # OR-ed into 2^23's bits, then a subtract of 2^23 + z, per weight.
     denormal: bool = True
@@ -99,6 +102,17 @@ class Int4GemvConfig:
     # Denormal path: load the next step's words while this step's are multiplied (carried in
     # registers: twice the words live; for programs of several steps and few warps).
     prefetch: bool = False
+    # Split-K: each split adds its f32 partial into one zeroed [M, N] output with atomic adds
+    # (no XLA sum over the splits after the call; the cast to x's dtype stays). The order of
+    # a column's split additions then varies from run to run: results are not bit-for-bit
+    # reproducible (each differs from the fixed order by float32 rounding, ~splits eps32 |y|).
+    # False: each split writes its own partial and XLA sums them in a fixed order.
+    atomic_splits: bool = False
+    # Denormal path: each program reads x as it is and scales and sums it itself (no XLA ops
+    # before the call; one more integer op a thread per (row, nibble): ~+0.3 instructions a
+    # weight at 4 columns a thread, +0.15 at 8, in the sm_90 SASS). False: XLA scales x and
+    # sums each step's before the call (two small fusions) and the kernel loads the results.
+    x_in_kernel: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
@@ -193,10 +207,12 @@ def gemv_unsupported(m: int, k: int, n: int, group_size: int,
 
 
 def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words: int,
-            group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype):
-    # x_ref [M', K/8, 8] (all of x); w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
-    # o_ref f32[M', block_n]
-    rows, block_n = o_ref.shape
+            group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype,
+            out_n: int | None, atomic: bool):
+    # x_ref [M', K/8, 8] (all of x; M' = M, or padded to >= 16 rows for the dot);
+    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref [M', block_n]
+    rows = x_ref.shape[0]
+    block_n = w_ref.shape[1]
     cols, load = column_loads(n, block_n, evict_first)
 
     first_word = pl.program_id(1) * steps * step_words
@@ -236,10 +252,10 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words
         shapes = [(block_n,) if reduce else (step_words, block_n)] * rows
     acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(s, jnp.float32) for s in shapes))
     if dot:
-        o_ref[...] = acc[0]
+        o_ref[...] = acc[0].astype(o_ref.dtype)  # out_n None: padded columns
     else:
         for m in range(rows):
-            o_ref[m, :] = acc[m] if reduce else acc[m].sum(axis=0)
+            store_row(o_ref, m, acc[m] if reduce else acc[m].sum(axis=0), cols, out_n, atomic)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
@@ -263,41 +279,80 @@ def int4_gemv(
     reason = gemv_unsupported(m, k, n, group_size, config)
     if reason is not None or words * PER_WORD != k:
         raise ValueError(reason or f"x has K={k}, qweight {words * PER_WORD} rows")
-    rows = max(DOT_ROWS, _next_pow2(m)) if config.dot else _next_pow2(m)  # loads: powers of 2
+    # x is read whole by every program: [M, K/8, 8] as it is (a bitcast); the dot pads it to
+    # the rows its tile loads take (a power of two, >= 16)
+    rows = max(DOT_ROWS, _next_pow2(m)) if config.dot else m
     step_words = config.step_words(k, group_size)
     splits = config.splits(k, n, group_size)
     split_words = words // splits
     col_blocks = pl.cdiv(n, config.block_n)
-    xp = jnp.pad(x2, ((0, rows - m), (0, 0))).reshape(rows, words, PER_WORD)  # [M', K/8, 8]
+    xp = jnp.pad(x2, ((0, rows - m), (0, 0))) if rows > m else x2
+    xp = xp.reshape(rows, words, PER_WORD)  # [M', K/8, 8]
     groups = scales.shape[0]
+    # The output: one split writes x's dtype straight into [M', N] (masked past N unless the
+    # dot's tile store); several write f32 partials [splits, M', N'] that XLA sums, or add into
+    # one zeroed f32 [M', N'] (atomic_splits). N' = whole column blocks: atomic adds and the
+    # dot store unmasked (the interpreter has no masked atomic add).
+    atomic = splits > 1 and config.atomic_splits and not config.dot
+    exact = splits == 1 and not config.dot
+    out_cols = n if exact else col_blocks * config.block_n
+    out_dtype = x.dtype if splits == 1 else jnp.float32
     common = dict(n=n, steps=split_words // step_words, step_words=step_words,
-                  group_words=group_size // PER_WORD, evict_first=config.evict_first)
+                  group_words=group_size // PER_WORD, evict_first=config.evict_first,
+                  out_n=n if exact and n % config.block_n else None, atomic=atomic)
+    x_in = [xp]
     if config.dot or not config.denormal:
-        kernel = functools.partial(_kernel, dot=config.dot, dtype=x.dtype,
-                                   reduce=config.reduce_every_step(rows, step_words), **common)
-        x_in, x_specs = [xp], [pl.BlockSpec((rows, words, PER_WORD), lambda c, s: (0, 0, 0))]
-    else:  # x pre-scaled per nibble position (exact powers of two) and its sums per step
+        reduce = config.reduce_every_step(_next_pow2(rows), step_words)
+        kernel = functools.partial(_kernel, dot=config.dot, dtype=x.dtype, reduce=reduce,
+                                   **common)
+    else:  # x scaled per nibble position (exact powers of two) and summed per step in-kernel
         pairs = config.byte_permute and step_words % 2 == 0
-        x_in = denormal_inputs(xp, step_words, pairs, interpret)
         kernel = functools.partial(denormal_kernel, interpret=interpret, pairs=pairs,
-                                   prefetch=config.prefetch, **common)
-        x_specs = [pl.BlockSpec(a.shape, lambda c, s, d=a.ndim: (0,) * d) for a in x_in]
-    partial = pl.pallas_call(
+                                   prefetch=config.prefetch, prescaled=not config.x_in_kernel,
+                                   **common)
+        if not config.x_in_kernel:
+            x_in = prescaled_inputs(xp, step_words, pairs, interpret)
+    in_specs = [
+        *[pl.BlockSpec(a.shape, lambda c, s, d=a.ndim: (0,) * d) for a in x_in],
+        pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
+        pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+    ]
+    args, aliases = [*x_in, qweight, scales, zeros], {}
+    if splits > 1 and not atomic:
+        out_spec = pl.BlockSpec((None, rows, config.block_n), lambda c, s: (s, 0, c))
+        out_shape = (splits, rows, out_cols)
+    else:
+        out_spec = pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c))
+        out_shape = (rows, out_cols)
+    if atomic:  # the splits add into zeros (XLA: a memset), aliased as the output
+        in_specs.append(pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c)))
+        args.append(jnp.zeros(out_shape, jnp.float32))
+        aliases = {len(args) - 1: 0}
+        kernel = _ignore_last_input(kernel)
+    out = pl.pallas_call(
         kernel,
         grid=(col_blocks, splits),
-        in_specs=[
-            *x_specs,
-            pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
-            pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
-            pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
-        ],
-        out_specs=pl.BlockSpec((None, rows, config.block_n), lambda c, s: (s, 0, c)),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, col_blocks * config.block_n),
-                                       jnp.float32),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="int4_gemv",
-    )(*x_in, qweight, scales, zeros)
-    y = partial.sum(axis=0) if splits > 1 else partial[0]  # [M', N'] f32
-    return y[:m, :n].astype(x.dtype).reshape(*lead, n)
+    )(*args)
+    y = out.sum(axis=0) if out.ndim == 3 else out  # [M', N'] f32 or, one split, x's dtype
+    if y.shape != (m, n):
+        y = y[:m, :n]
+    return y.astype(x.dtype).reshape(*lead, n)
+
+
+def _ignore_last_input(kernel):
+    """``kernel`` taking (and ignoring) the zeroed buffer aliased to its output."""
+
+    def with_zeros(*refs):
+        *ins, _zeros_ref, o_ref = refs
+        kernel(*ins, o_ref)
+
+    return with_zeros

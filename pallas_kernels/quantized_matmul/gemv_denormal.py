@@ -3,10 +3,10 @@
 A masked nibble left where it sits in its word, ``bits = word & (0xF << p)``, is below
 float32's exponent field (p <= 20: the field is 0 or 1), and such a bit pattern reads as the
 float ``bits 2^-149`` exactly (the subnormals and the first normal binade are one linear
-range). So with x pre-scaled once per call, ``xs = x 2^(149 - p - X_EXP)`` (a power of two:
-exact), one FFMA adds ``q x 2^-X_EXP`` with no conversion and no bias to subtract. The zero
-point leaves the loop: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k), with
-sum_k x_k per step precomputed::
+range). So with x scaled by ``2^(149 - p - X_EXP)`` (a power of two, added to x's exponent
+field as x is read: exact), one FFMA adds ``q x 2^-X_EXP`` with no conversion and no bias to
+subtract. The zero point leaves the loop: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k
+x_k), with sum_k x_k once per step (the program's threads reduce the step's x together)::
 
     per word row r, column n:   part[n] += xs[r, j] * float(word[r, n] & (0xF << p_j))  x8
     per step (one group):       acc[n]  += s[g, n] part[n];  corr[n] += s z[g, n] xsum[step]
@@ -14,9 +14,12 @@ sum_k x_k per step precomputed::
 
 Each word row is a [block_n] vector in one layout (4 consecutive columns a thread, as the
 words are loaded), so the scale, the zeros and every partial sum share it: no layout
-conversion through shared memory and no cross-thread reduction in the loop; x is one scalar
-load a thread per (row, nibble), shared by the thread's columns. Nibbles 6, 7 (bits 24..31
-would reach the exponent) come from one ``prmt`` per pair of word rows.
+conversion through shared memory and no cross-thread reduction of the products; x is one
+scalar load and one integer op (the exponent add, :func:`scale_x`) a thread per (row,
+nibble), shared by the thread's columns. Nibbles 6, 7 (bits 24..31 would reach the exponent)
+come from one ``prmt`` per pair of word rows. x comes in as it is, so no XLA op runs before
+the call (``Int4GemvConfig.x_in_kernel``; False: XLA scales and sums it first, one integer
+op a thread per (row, nibble) fewer, two small fusions more).
 
 Needs float32 subnormals kept (no flush-to-zero): Triton emits ``fma.rn.f32``, and XLA's
 GPU compile flushes only with ``--xla_gpu_ftz``. XLA:CPU flushes them, so interpret mode
@@ -87,13 +90,56 @@ def column_loads(n: int, block_n: int, evict_first: bool):
     return cols, load
 
 
-def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int,
-                    step_words: int, group_words: int, evict_first: bool, interpret: bool,
-                    pairs: bool, prefetch: bool):
-    # xs_ref f32[M', K/8, 8]: x[m, 8r + j] 2^(SUBNORMAL - p(r, j) - X_EXP);
-    # xg_ref f32[M', K/8/step_words]: x summed over each step's rows, times 2^-X_EXP;
-    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref f32[M', block_n]
-    rows, block_n = o_ref.shape
+def x_unit(r: int, j: int, pairs: bool, interpret: bool) -> int:
+    """log2 of the power of two x[m, 8r + j] is scaled by: SUBNORMAL - X_EXP - p for nibble
+    j's bit position p in word row r (r's parity, with ``pairs``). Interpret mode: -X_EXP only
+    (the kernel converts q itself there; a constant 2^-149 would be flushed)."""
+    return (0 if interpret else SUBNORMAL - nibble_unit(r, j, pairs)) - X_EXP
+
+
+def scale_x(x, unit: int, interpret: bool):
+    """x (a float32 or bfloat16 scalar) times 2^unit as a float32, exactly for normal |x| <
+    2^(128 - unit): the unit added to x's exponent field, with the bf16 -> f32 widening one
+    integer op (the shift) and no multiply. A zero or subnormal x comes out as a float32 of
+    magnitude < 2^(unit - 126) instead of its (zero or < 2^(unit - 126)) value: times a
+    nibble's float32 (< 2^(p - 145)) that is below 2^(-190): the product rounds to zero, as
+    the exact one does, and adds nothing to a sum. Interpret mode: a multiply (unit -64; an
+    exponent add would underflow a small x's)."""
+    if interpret:
+        return x.astype(jnp.float32) * 2.0**unit
+    if x.dtype == jnp.bfloat16:  # bf16 bits are the top half of the float32's
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.int32) << 16
+    else:
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jax.lax.bitcast_convert_type(bits + (unit << 23), jnp.float32)
+
+
+def store_row(o_ref, m: int, value, cols, n: int | None, atomic: bool):
+    """Row m of this program's output block: in o_ref's dtype, masked past column n when the
+    output is exactly N wide (None: padded to whole column blocks), or added atomically (an
+    f32 output zeroed by the caller, which the splits of one column block share). Row m as a
+    [1, bn] slice: the interpreter's masked store and atomic add take no integer index."""
+    if atomic:
+        pltriton.atomic_add(o_ref, (pl.ds(m, 1), slice(None)), value[None, :])
+    elif n is None:
+        o_ref[m, :] = value.astype(o_ref.dtype)
+    else:
+        pltriton.store(o_ref.at[pl.ds(m, 1), :], value.astype(o_ref.dtype)[None, :],
+                       mask=(cols < n)[None, :])
+
+
+def denormal_kernel(*refs, n: int, steps: int, step_words: int, group_words: int,
+                    evict_first: bool, interpret: bool, pairs: bool, prefetch: bool,
+                    out_n: int | None, atomic: bool, prescaled: bool):
+    # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
+    # (row, nibble), and scales it in registers; the threads sum each step's together), or
+    # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
+    # :func:`prescaled_inputs`; w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
+    # o_ref [M, block_n]
+    *x_refs, w_ref, s_ref, z_ref, o_ref = refs
+    x_ref = x_refs[0]
+    rows = x_ref.shape[0]
+    block_n = w_ref.shape[1]
     cols, load = column_loads(n, block_n, evict_first)
 
     first_word = pl.program_id(1) * steps * step_words
@@ -105,11 +151,18 @@ def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps
     def step(i, carry):
         acc, corr, ahead = carry
         r0 = pl.multiple_of(i * step_words, step_words)
-        row = first_word + r0
+        row = first_word + r0  # a multiple of step_words: even with pairs (x_unit's parity)
         group = row // group_words
         scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
         zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32)
         parts = [None] * rows
+        # the step's x summed by all threads together (one load of the rows and a reduction,
+        # not an add a thread per (row, nibble)), f32 scalars
+        if prescaled:
+            xsum = [x_refs[1][m, row // step_words] for m in range(rows)]
+        else:
+            xsum = [x_ref[m, pl.ds(row, step_words), :].astype(jnp.float32).sum() * 2.0**-X_EXP
+                    for m in range(rows)]
         if prefetch:  # this step's words came with the carry; ask for the next step's now
             # (the last step re-reads its own: in bounds, and cached)
             words, ahead = ahead, load_words(jnp.minimum(i + 1, steps - 1))
@@ -119,41 +172,38 @@ def denormal_kernel(xs_ref, xg_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps
             for j, (src, pos) in enumerate(denormal_nibbles(words, r, pairs, interpret)):
                 bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
                 if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
-                    # 2^-X_EXP only (_scaled_x)
+                    # 2^-X_EXP only (x_unit)
                     w = jnp.right_shift(bits, pos).astype(jnp.float32)
                 else:  # read as a float32, no conversion instruction
                     w = jax.lax.bitcast_convert_type(bits, jnp.float32)
                 for m in range(rows):
-                    t = xs_ref[m, row + r, j] * w  # q x 2^-X_EXP, [bn]
+                    xs = x_ref[m, row + r, j] if prescaled else scale_x(
+                        x_ref[m, row + r, j], x_unit(r, j, pairs, interpret), interpret)
+                    t = xs * w  # q x 2^-X_EXP, [bn]
                     parts[m] = t if parts[m] is None else parts[m] + t
         acc = tuple(a + scale * p for a, p in zip(acc, parts, strict=True))
-        corr = tuple(c + (scale * zero) * xg_ref[m, row // step_words] for m, c in enumerate(corr))
+        corr = tuple(c + (scale * zero) * xs for c, xs in zip(corr, xsum, strict=True))
         return acc, corr, ahead
 
     zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
     init = (zeros, zeros, load_words(0) if prefetch else ())
     acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
     for m in range(rows):
-        o_ref[m, :] = (acc[m] - corr[m]) * 2.0**X_EXP
+        store_row(o_ref, m, (acc[m] - corr[m]) * 2.0**X_EXP, cols, out_n, atomic)
 
 
-def _scaled_x(xp: jax.Array, pairs: bool, interpret: bool) -> jax.Array:
-    """x [M', K/8, 8] -> f32[M', K/8, 8]: row 8r + j times 2^(SUBNORMAL - X_EXP - p(r, j))
-    (the bit position of nibble_unit), exact powers of two. Interpret mode: times 2^-X_EXP
-    only (the kernel converts q itself there; a constant 2^-149 would be flushed)."""
-    units = [[0 if interpret else SUBNORMAL - nibble_unit(r, j, pairs) for j in range(PER_WORD)]
-             for r in range(2)]  # [row parity, nibble]
-    unit = np.ldexp(np.float32(1), np.asarray(units, np.int32) - X_EXP).astype(np.float32)
-    rows, words, _ = xp.shape
-    if not pairs:  # the same positions in every row (and K/8 may be odd)
-        return xp.astype(jnp.float32) * unit[0]
-    x2 = xp.astype(jnp.float32).reshape(rows, words // 2, 2, PER_WORD) * unit
-    return x2.reshape(rows, words, PER_WORD)
-
-
-def denormal_inputs(xp: jax.Array, step_words: int, pairs: bool,
-                    interpret: bool) -> list[jax.Array]:
-    """x [M', K/8, 8] -> [xs f32[M', K/8, 8], xsum f32[M', K/8/step_words]] (XLA ops)."""
-    rows, words, _ = xp.shape
-    xsum = xp.astype(jnp.float32).reshape(rows, words // step_words, -1).sum(-1)
-    return [_scaled_x(xp, pairs, interpret), xsum * 2.0**-X_EXP]
+def prescaled_inputs(x: jax.Array, step_words: int, pairs: bool,
+                     interpret: bool) -> list[jax.Array]:
+    """x [M, K/8, 8] -> [xs f32[M, K/8, 8], xsum f32[M, K/8/step_words]]: x scaled per nibble
+    position and its per-step sums times 2^-X_EXP, by XLA before the call (two small fusions;
+    ``Int4GemvConfig.x_in_kernel`` False)."""
+    rows, words, _ = x.shape
+    units = [[x_unit(r, j, pairs, interpret) for j in range(PER_WORD)] for r in range(2)]
+    unit = np.ldexp(np.float32(1), np.asarray(units, np.int32)).astype(np.float32)  # [2, 8]
+    x32 = x.astype(jnp.float32)
+    xsum = x32.reshape(rows, words // step_words, -1).sum(-1)
+    if pairs:  # steps of an even number of word rows: K/8 is even
+        xs = (x32.reshape(rows, words // 2, 2, PER_WORD) * unit).reshape(x.shape)
+    else:
+        xs = x32 * unit[0]
+    return [xs, xsum * 2.0**-X_EXP]
