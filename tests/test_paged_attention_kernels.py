@@ -272,6 +272,14 @@ def test_decode_call_has_no_xla_padding_or_float32_output(num_tokens):
         assert "tensor<512x128xf32>" in text  # 16 splits x 32 query heads, no padded rows
 
 
+def test_prefill_call_has_no_xla_padding_for_a_group_of_three():
+    """SmolLM2-135M heads (9/3: G = 3, tiles of G' = 4 rows): q and the output stay unpadded."""
+    text = lowered_for_h200(paged_attention_prefill, 64, "smollm2_135m")
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.pad" not in text
+    assert "(tensor<576x64xbf16>) -> tensor<64x9x64xbf16>" in text  # the result, reshaped
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 

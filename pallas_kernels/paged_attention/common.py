@@ -117,23 +117,6 @@ def token_kv_ranges(
     return seq, lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
-def pad_query(q: jax.Array, num_kv_heads: int, group_pad: int, token_pad: int = 0) -> jax.Array:
-    """[T, Hq, D] -> [T + token_pad, Hkv, group_pad, D]: each kv head's query heads, zero-padded."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    group = num_q_heads // num_kv_heads
-    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    if group_pad != group or token_pad:
-        q = jnp.pad(q, ((0, token_pad), (0, 0), (0, group_pad - group), (0, 0)))
-    return q
-
-
-def unpad_output(out: jax.Array, num_tokens: int, num_q_heads: int) -> jax.Array:
-    """[T', Hkv, G', D] -> [T, Hq, D] (drops padded tokens and padded query heads)."""
-    _, num_kv_heads, _, head_dim = out.shape
-    group = num_q_heads // num_kv_heads
-    return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
-
-
 def flat_pool(pool: jax.Array) -> jax.Array:
     """[L, NB, BS, Hkv, D] -> [L * NB * BS * Hkv, D]: a free (bitcast) view with one row per
     (layer, page, slot, kv head), so that a K/V tile is a plain 2-D row gather."""

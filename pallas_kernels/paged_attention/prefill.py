@@ -3,11 +3,13 @@ sequence's pages for a chunk of query tokens (chunked prefill, prefix-cache hits
 
 A program owns up to ``block_q`` consecutive query tokens of ONE sequence and one kv head;
 the ``G`` query heads of that kv head ride along as rows, so a tile has ``block_q * G'`` rows
-(``G'`` = G rounded up to a power of two)::
+(``G'`` = G rounded up to a power of two; rows of the G' - G missing heads are masked, so q
+and the output stay [T * Hq, D] with no padding in XLA)::
 
     grid = (Q, Hkv)    Q = static bound on the number of query blocks
     q block i:  tokens [t0[i], t1[i]) of sequence seq[i]     (t1 <= t0: nothing to do)
-    rows:       (token, query head) pairs, row r = token * G' + head
+    rows:       (token, query head) pairs, tile row r = token * G' + head,
+                q / output row token * Hq + h * G + head (head < G)
     keys:       the union of the rows' ranges, [min kv_lo, max kv_hi), in compute blocks;
                 blocks inside every row's range run without masks, the others with masks.
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -79,23 +80,30 @@ def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int,
 
 def _prefill_kernel(layer_ref, tables_ref, bseq_ref, bt0_ref, bt1_ref, lo_ref, hi_ref, q_ref,
                     k_ref, v_ref, o_ref, *, scale_log2: float, num_pages: int, block_size: int,
-                    num_kv_heads: int, group_pad: int, block_q: int, block_kv: int):
+                    num_kv_heads: int, group: int, group_pad: int, block_q: int,
+                    block_kv: int):
     qblock, head = pl.program_id(0), pl.program_id(1)
     head_dim = q_ref.shape[1]
     rows = block_q * group_pad
     layer_row, seq = layer_ref[0] * num_pages, bseq_ref[qblock]
     t0, t1 = bt0_ref[qblock], bt1_ref[qblock]
 
-    # Row r of the tile is query head r % G' of token t0 + r // G' (flat q row q_row[r]).
+    # Row r of the tile is query head r % G' of token t0 + r // G': flat row q_row[r] of q
+    # [T * Hq, D] when r % G' < G. The other rows (G' > G) are masked, read as 0, never stored.
     row = jnp.arange(rows, dtype=jnp.int32)
     token = t0 + (row >> (group_pad.bit_length() - 1))  # group_pad is a power of two
-    row_ok = token < t1  # [M]
-    q_row = (token * num_kv_heads + head) * group_pad + (row & (group_pad - 1))
-    lo_r = pltriton.load(lo_ref.at[token], mask=row_ok, other=0)
-    hi_r = pltriton.load(hi_ref.at[token], mask=row_ok, other=0)
-    lo_min = jnp.where(row_ok, lo_r, _INT_MAX).min()
+    token_ok = token < t1  # [M]
+    q_head = row & (group_pad - 1)
+    row_ok = token_ok & (q_head < group)
+    # Masked rows get distinct rows past q's end: one aliasing a real row (the next token's
+    # head 0 when Hkv = 1) would clobber it in the interpreter, whose masked store writes back.
+    q_row = jnp.where(row_ok, token * (num_kv_heads * group) + head * group + q_head,
+                      q_ref.shape[0] + row)
+    lo_r = pltriton.load(lo_ref.at[token], mask=token_ok, other=0)
+    hi_r = pltriton.load(hi_ref.at[token], mask=token_ok, other=0)
+    lo_min = jnp.where(token_ok, lo_r, _INT_MAX).min()
     lo_max = lo_r.max()
-    hi_min = jnp.where(row_ok, hi_r, _INT_MAX).min()
+    hi_min = jnp.where(token_ok, hi_r, _INT_MAX).min()
     hi_max = hi_r.max()
 
     idx = (q_row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
@@ -154,27 +162,28 @@ def paged_attention_prefill(
     config = config or PrefillConfig()
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_pool.shape
-    group_pad = common.next_pow2(num_q_heads // num_kv_heads)
+    group = num_q_heads // num_kv_heads
+    group_pad = common.next_pow2(group)
     block_q = max(1, config.block_q_rows // group_pad)
     block_kv = max(config.block_kv, block_size)  # whole pages
 
     _, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
     bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, block_q, skip_single_token_seqs)
-    q_pad = common.pad_query(q, num_kv_heads, group_pad)  # [T, Hkv, G', D]
     whole = pl.BlockSpec()
     kernel = functools.partial(
         _prefill_kernel, scale_log2=scale * common.LOG2E, num_pages=k_pool.shape[1],
-        block_size=block_size, num_kv_heads=num_kv_heads, group_pad=group_pad,
+        block_size=block_size, num_kv_heads=num_kv_heads, group=group, group_pad=group_pad,
         block_q=block_q, block_kv=block_kv)
     out = pl.pallas_call(
         kernel,
         grid=(bseq.shape[0], num_kv_heads),
         in_specs=[whole] * 10,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct((math.prod(q_pad.shape[:-1]), head_dim), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * num_q_heads, head_dim), q.dtype),
         compiler_params=common.compiler_params(config.num_warps, config.num_stages),
         interpret=interpret,
         name="paged_attention_prefill",
     )(jnp.asarray(layer, jnp.int32).reshape(1), block_tables.astype(jnp.int32), bseq, bt0, bt1,
-      lo, hi, q_pad.reshape(-1, head_dim), common.flat_pool(k_pool), common.flat_pool(v_pool))
-    return common.unpad_output(out.reshape(q_pad.shape), num_tokens, num_q_heads)
+      lo, hi, q.reshape(num_tokens * num_q_heads, head_dim),  # free: no copy, no padding
+      common.flat_pool(k_pool), common.flat_pool(v_pool))
+    return out.reshape(num_tokens, num_q_heads, head_dim)
