@@ -4,9 +4,10 @@ At a few tokens the projection is bound by reading the packed weight (K N / 2 by
 int32 word is read once, unpacked in registers and multiplied by the activations with plain
 FMAs (no tensor-core dot padded to 16 rows: at 1 token that is 15 rows of wasted work and a
 register reshuffle per tile). The default inner loop (``denormal=True``, gemv_denormal.py) reads
-each masked nibble as a float32 subnormal against x pre-scaled by a power of two and takes the
-zero point out of the loop: one LOP3 and one FFMA a weight (~2.4-2.8 instructions a weight in
-all, against ~5.5-6.4 for the loop below, in the sm_90 SASS of the Llama-3-8B projections).
+each masked nibble as a float32 subnormal against x scaled by a power of two and takes the
+zero point out of the loop: one LOP3 and one FFMA a weight (~2.55-3.1 instructions a weight in
+all with x scaled as the kernel reads it, ~2.4-2.8 with x pre-scaled by XLA, against ~5.5-6.4
+for the loop below, in the sm_90 SASS of the Llama-3-8B projections).
 The loop before it (``denormal=False``), per word row r of a step and nibble j, input row
 8r + j::
 
@@ -157,13 +158,15 @@ class Int4GemvConfig:
 # benchmarks/RESULTS.md), us against the 2^23-magic loop's configs in the same process:
 # qkv 29.4 against 31.7, o 13.0 against 24.6, gate_up 53.6 against 74.9; down 78.5 against
 # 65.3, so down keeps the magic loop. SASS instructions a weight in the comments (whole kernel
-# when a program runs one step, else the loop). One run of small kernels: noisy.
+# when a program runs one step, else the loop), x read by the kernel / pre-scaled by XLA
+# (x_in_kernel; the timings above are of the pre-scaled loop, before x moved into the
+# kernel). One run of small kernels: noisy.
 GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {
-    # qkv: 2.73 (the magic loop at block_n=256, num_warps=8: 6.36)
+    # qkv: 3.06 / 2.73 (the magic loop at block_n=256, num_warps=8: 6.36)
     (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=2),
-    # o: 2.76 (magic, num_warps=2: 5.52)
+    # o: 3.08 / 2.76 (magic, num_warps=2: 5.52)
     (1, 4096, 4096): Int4GemvConfig(block_n=256, num_warps=2),
-    # gate_up: 2.40 (magic, max_acc_registers=64: 5.53)
+    # gate_up: 2.55 / 2.40 (magic, max_acc_registers=64: 5.53)
     (1, 4096, 28672): Int4GemvConfig(block_n=512, num_warps=2),
     # down: the magic loop, 6.14 (denormal at block_n=256, num_warps=2, block_words=8: 2.69,
     # but slower: too few warps in flight for K = 14336, untested wider)
