@@ -150,6 +150,15 @@ class PrefillSuite:
         case = case_for(decode_chunks(AWKWARD_LENGTHS), "smollm2_135m", 16, jnp.bfloat16)
         self.run(case, jnp.bfloat16)
 
+    def test_launch_order_leaves_the_output_alone(self):
+        """heavy_first only reorders the grid: every program writes the same rows."""
+        case = case_for(MIXED_CHUNKS, "small_gqa", 16, jnp.float32, seed=5)
+        outs = [np.asarray(paged_attention_prefill(
+            *case.args, scale=case.scale, interpret=self.INTERPRET,
+            config=PrefillConfig(block_q_rows=32, block_kv=32, heavy_first=first)))
+            for first in (True, False)]
+        np.testing.assert_array_equal(outs[0], outs[1])
+
 
 class MixedSuite:
     """Decodes and last tokens through the decode kernel, the rest through the prefill kernel."""

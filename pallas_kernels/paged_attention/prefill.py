@@ -43,6 +43,10 @@ class PrefillConfig:
     block_kv: int = 128  # keys per compute step (at least one page)
     num_warps: int = 8
     num_stages: int = 2
+    # Query blocks launched last-first: a chunk's last blocks see the most keys (causal), and
+    # launched first they do not leave a tail of long programs on a few SMs at the grid's end
+    # (FlashAttention's order for causal attention). Any order gives the same output.
+    heavy_first: bool = True
 
     def __post_init__(self):
         for name in ("block_q_rows", "block_kv"):
@@ -169,6 +173,8 @@ def paged_attention_prefill(
 
     _, lo, hi = common.token_kv_ranges(seq_lens, query_start_loc, positions, sliding_window)
     bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, block_q, skip_single_token_seqs)
+    if config.heavy_first:
+        bseq, bt0, bt1 = bseq[::-1], bt0[::-1], bt1[::-1]
     whole = pl.BlockSpec()
     kernel = functools.partial(
         _prefill_kernel, scale_log2=scale * common.LOG2E, num_pages=k_pool.shape[1],
