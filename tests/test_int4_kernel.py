@@ -151,7 +151,9 @@ def test_gemv_lowers_to_triton_for_the_h200():
              # one split: x's dtype stored straight into [M, N], masked past N = 100
              (1, 512, 100, 32, Int4GemvConfig(num_splits=1)),
              (2, 512, 100, 32, Int4GemvConfig(num_splits=1, denormal=False)),
-             (1, 4096, 4096, 128, Int4GemvConfig(atomic_splits=True)),
+             (1, 4096, 4096, 128, Int4GemvConfig(splits_sum="atomic")),
+             (1, 4096, 4096, 128, Int4GemvConfig(splits_sum="last")),
+             (2, 14336, 4096, 128, Int4GemvConfig(denormal=False, splits_sum="last")),
              (1, 4096, 6144, 128, Int4GemvConfig(x_in_kernel=False))]
     for m, k, n, group, config in cases:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
@@ -201,7 +203,8 @@ def test_scale_x_of_float32_is_an_exact_power_of_two_multiple():
 # to several steps a split, N with a partial last column block (100, 200) or not, groups
 # smaller than, equal to and larger than a step, 1-2 tokens (3: padded nowhere now), one
 # split (x's dtype stored straight into [M, N], masked past N) or several (f32 partials
-# summed by XLA, or added atomically), with and without the byte permute.
+# summed by XLA, added atomically, or summed by the last split), with and without the byte
+# permute.
 FOLDED_CASES = [
     (128, 100, 32, 1, jnp.bfloat16, dict(block_n=64, num_splits=1)),
     (256, 200, 64, 2, jnp.bfloat16, dict(block_n=128, num_splits=1, block_words=4)),
@@ -210,10 +213,14 @@ FOLDED_CASES = [
     (1024, 256, 128, 1, jnp.bfloat16, dict(block_n=256, num_warps=2, num_splits=8)),
     (1024, 96, 256, 2, jnp.bfloat16, dict(block_n=32, num_splits=2, byte_permute=False)),
     (256, 100, 64, 3, jnp.float32, dict(block_n=64, num_splits=2)),
-    (512, 200, 64, 1, jnp.bfloat16, dict(block_n=128, num_splits=4, atomic_splits=True)),
-    (256, 128, 32, 2, jnp.float32, dict(block_n=64, num_splits=8, atomic_splits=True)),
+    (512, 200, 64, 1, jnp.bfloat16, dict(block_n=128, num_splits=4, splits_sum="atomic")),
+    (256, 128, 32, 2, jnp.float32, dict(block_n=64, num_splits=8, splits_sum="atomic")),
     (256, 100, 128, 1, jnp.bfloat16, dict(block_n=64, num_splits=2, denormal=False,
-                                          atomic_splits=True)),
+                                          splits_sum="atomic")),
+    (512, 200, 64, 2, jnp.bfloat16, dict(block_n=128, num_splits=4, splits_sum="last")),
+    (1024, 96, 128, 1, jnp.float32, dict(block_n=32, num_splits=8, splits_sum="last")),
+    (256, 100, 32, 2, jnp.bfloat16, dict(block_n=64, num_splits=2, denormal=False,
+                                         splits_sum="last")),
     (256, 100, 128, 2, jnp.bfloat16, dict(block_n=64, num_splits=1, denormal=False)),
     # x scaled and summed by XLA before the call instead
     (512, 100, 32, 2, jnp.bfloat16, dict(block_n=64, num_splits=4, x_in_kernel=False)),
@@ -236,17 +243,18 @@ def test_gemv_reads_x_in_the_kernel_and_equals_reference(k, n, group, m, dtype, 
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("atomic", [False, True])
-def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(atomic):
+@pytest.mark.parametrize("mode", ["xla", "atomic", "last"])
+def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(mode):
     """The program around the kernel, lowered for the H200 at one token: x goes in as it is (no
     XLA pad, multiply or reduce before the call); after it, the sum over the splits (one
-    reduce) and the cast, or with atomic_splits only the zeros it adds into and the cast."""
+    reduce) and the cast ("xla"), only the cast ("atomic": and the zeros it adds into), or
+    nothing ("last": only the zeroed counters before)."""
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     for m, k, n in GEMV_TABLE:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // 128, n), jnp.bfloat16),
             ((k // 128, n), jnp.uint8)]]
-        config = dataclasses.replace(GEMV_TABLE[m, k, n], atomic_splits=atomic)
+        config = dataclasses.replace(GEMV_TABLE[m, k, n], splits_sum=mode)
         fn = jax.jit(lambda x, q, s, z, c=config: int4_gemv(x, q, s, z, group_size=128,
                                                             config=c))
         with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
@@ -254,7 +262,7 @@ def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(ato
         ops = collections.Counter(re.findall(r"stablehlo\.(\w+)", text))
         assert ops["custom_call"] == 1
         assert not {"pad", "multiply", "slice", "concatenate"} & set(ops), ops
-        assert ops["reduce"] == (0 if atomic else 1) and ops["convert"] == 1, ops
+        assert ops["reduce"] == (mode == "xla") and ops["convert"] == (mode != "last"), ops
 
 
 def test_gemv_unsupported_shapes_and_configs_are_named():
@@ -268,6 +276,8 @@ def test_gemv_unsupported_shapes_and_configs_are_named():
         Int4GemvConfig(block_n=96)
     with pytest.raises(ValueError, match="block_words"):
         Int4GemvConfig(block_words=8, dot=True)
+    with pytest.raises(ValueError, match="splits_sum"):
+        Int4GemvConfig(splits_sum="tree")
 
 
 def test_linear_runs_the_kernels_only_where_asked_and_able():

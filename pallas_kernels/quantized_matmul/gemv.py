@@ -28,9 +28,10 @@ would not fit in registers, so each step reduces its rows.
     program (c, s): word rows [s K/8/splits, (s+1) K/8/splits), columns [c block_n, ..)
                     -> one split: [M, block_n] in x's dtype, the call's result (no XLA op
                        after it);
-                       several: f32 partial [M, block_n] of split s; XLA sums the splits (one
-                       small fusion, deterministic) and casts, or (atomic_splits) the
-                       splits add it into one zeroed f32 [M, N] and XLA only casts
+                       several: f32 partial [M, block_n] of split s, summed as
+                       ``splits_sum`` says (gemv_splits.py): by XLA after the call (one
+                       small fusion, deterministic; the default), by atomic adds, or by the
+                       column block's last split in the kernel (deterministic)
 
 Split-K gives the H200's 132 SMs enough programs at N = 4096 (32 column blocks of 128).
 ``dot=True`` swaps the FMAs for a tensor-core dot over rows padded to 16 (the same unpack):
@@ -48,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import column_loads, denormal_kernel, prescaled_inputs, store_row
+from .gemv_denormal import column_loads, denormal_kernel, prescaled_inputs
+from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
 from .reference import PER_WORD
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -103,12 +105,11 @@ class Int4GemvConfig:
     # Denormal path: load the next step's words while this step's are multiplied (carried in
     # registers: twice the words live; for programs of several steps and few warps).
     prefetch: bool = False
-    # Split-K: each split adds its f32 partial into one zeroed [M, N] output with atomic adds
-    # (no XLA sum over the splits after the call; the cast to x's dtype stays). The order of
-    # a column's split additions then varies from run to run: results are not bit-for-bit
-    # reproducible (each differs from the fixed order by float32 rounding, ~splits eps32 |y|).
-    # False: each split writes its own partial and XLA sums them in a fixed order.
-    atomic_splits: bool = False
+    # Split-K: how the splits' f32 partial sums are added (gemv_splits.py): "xla" (a fusion
+    # after the call), "atomic" (atomic adds into zeros: not bit-for-bit reproducible; XLA
+    # casts after the call) or "last" (the column block's last split sums them in the kernel
+    # in split order; no XLA op after the call). The dot always takes "xla".
+    splits_sum: str = "xla"
     # Denormal path: each program reads x as it is and scales and sums it itself (no XLA ops
     # before the call; one more integer op a thread per (row, nibble): ~+0.3 instructions a
     # weight at 4 columns a thread, +0.15 at 8, in the sm_90 SASS). False: XLA scales x and
@@ -128,6 +129,8 @@ class Int4GemvConfig:
             raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.splits_sum not in SPLITS_SUMS:
+            raise ValueError(f"splits_sum={self.splits_sum!r} must be one of {SPLITS_SUMS}")
 
     def reduce_every_step(self, rows: int, step_words: int) -> bool:
         threads = 32 * self.num_warps
@@ -209,11 +212,13 @@ def gemv_unsupported(m: int, k: int, n: int, group_size: int,
     return None
 
 
-def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words: int,
+def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_words: int,
             group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype,
-            out_n: int | None, atomic: bool):
+            out_n: int | None, mode: str, interpret: bool):
     # x_ref [M', K/8, 8] (all of x; M' = M, or padded to >= 16 rows for the dot);
-    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; o_ref [M', block_n]
+    # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; out_refs:
+    # gemv_splits.split_outputs' for ``mode`` (the dot: "one" or "xla", [M', block_n] blocks)
+    [x_ref] = x_refs
     rows = x_ref.shape[0]
     block_n = w_ref.shape[1]
     cols, load = column_loads(n, block_n, evict_first)
@@ -254,11 +259,11 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, n: int, steps: int, step_words
     else:
         shapes = [(block_n,) if reduce else (step_words, block_n)] * rows
     acc = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros(s, jnp.float32) for s in shapes))
-    if dot:
-        o_ref[...] = acc[0].astype(o_ref.dtype)  # out_n None: padded columns
+    if dot:  # one [M', bn] tile (rows of a tensor cannot be taken apart in Triton)
+        out_refs[0][...] = acc[0].astype(out_refs[0].dtype)
     else:
-        for m in range(rows):
-            store_row(o_ref, m, acc[m] if reduce else acc[m].sum(axis=0), cols, out_n, atomic)
+        ys = [a if reduce else a.sum(axis=0) for a in acc]
+        write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
@@ -292,17 +297,16 @@ def int4_gemv(
     xp = jnp.pad(x2, ((0, rows - m), (0, 0))) if rows > m else x2
     xp = xp.reshape(rows, words, PER_WORD)  # [M', K/8, 8]
     groups = scales.shape[0]
-    # The output: one split writes x's dtype straight into [M', N] (masked past N unless the
-    # dot's tile store); several write f32 partials [splits, M', N'] that XLA sums, or add into
-    # one zeroed f32 [M', N'] (atomic_splits). N' = whole column blocks: atomic adds and the
-    # dot store unmasked (the interpreter has no masked atomic add).
-    atomic = splits > 1 and config.atomic_splits and not config.dot
-    exact = splits == 1 and not config.dot
-    out_cols = n if exact else col_blocks * config.block_n
-    out_dtype = x.dtype if splits == 1 else jnp.float32
+    # One split stores x's dtype into y [M, N] (masked past N; the dot: its padded tile);
+    # several add their partials as splits_sum says (gemv_splits.py).
+    mode = "one" if splits == 1 else "xla" if config.dot else config.splits_sum
+    exact = mode in ("one", "last") and not config.dot
+    outs = split_outputs(mode, splits=splits, rows=rows, n=n, block_n=config.block_n,
+                         dtype=x.dtype, exact=exact)
     common = dict(n=n, steps=split_words // step_words, step_words=step_words,
                   group_words=group_size // PER_WORD, evict_first=config.evict_first,
-                  out_n=n if exact and n % config.block_n else None, atomic=atomic)
+                  out_n=n if exact and n % config.block_n else None, mode=mode,
+                  interpret=interpret)
     x_in = [xp]
     if config.dot or not config.denormal:
         reduce = config.reduce_every_step(_next_pow2(rows), step_words)
@@ -310,9 +314,8 @@ def int4_gemv(
                                    **common)
     else:  # x scaled per nibble position (exact powers of two) and summed per step in-kernel
         pairs = config.byte_permute and step_words % 2 == 0
-        kernel = functools.partial(denormal_kernel, interpret=interpret, pairs=pairs,
-                                   prefetch=config.prefetch, prescaled=not config.x_in_kernel,
-                                   **common)
+        kernel = functools.partial(denormal_kernel, pairs=pairs, prefetch=config.prefetch,
+                                   prescaled=not config.x_in_kernel, **common)
         if not config.x_in_kernel:
             x_in = prescaled_inputs(xp, step_words, pairs, interpret)
     in_specs = [
@@ -320,42 +323,31 @@ def int4_gemv(
         pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
     ]
-    args, aliases = [*x_in, qweight, scales, zeros], {}
-    if splits > 1 and not atomic:
-        out_spec = pl.BlockSpec((None, rows, config.block_n), lambda c, s: (s, 0, c))
-        out_shape = (splits, rows, out_cols)
-    else:
-        out_spec = pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c))
-        out_shape = (rows, out_cols)
-    if atomic:  # the splits add into zeros (XLA: a memset), aliased as the output
-        in_specs.append(pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c)))
-        args.append(jnp.zeros(out_shape, jnp.float32))
-        aliases = {len(args) - 1: 0}
-        kernel = _ignore_last_input(kernel)
-    out = pl.pallas_call(
-        kernel,
+    args = [*x_in, qweight, scales, zeros, *[a for a, _ in outs.zeros]]
+    aliases = {len(x_in) + 3 + j: i for j, (_, i) in enumerate(outs.zeros)}
+    result = pl.pallas_call(
+        _split_refs(kernel, len(x_in), len(outs.zeros)),
         grid=(col_blocks, splits),
         in_specs=in_specs,
-        out_specs=out_spec,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_specs=outs.specs,
+        out_shape=outs.shapes,
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="int4_gemv",
     )(*args)
-    y = out.sum(axis=0) if out.ndim == 3 else out  # [M', N'] f32 or, one split, x's dtype
-    if y.shape != (m, n):
-        y = y[:m, :n]
-    return y.astype(x.dtype).reshape(*lead, n)
+    return outs.result(result, m, n, x.dtype).reshape(*lead, n)
 
 
-def _ignore_last_input(kernel):
-    """``kernel`` taking (and ignoring) the zeroed buffer aliased to its output."""
+def _split_refs(kernel, n_x: int, n_zeros: int):
+    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs (the
+    zeroed inputs aliased to outputs are dropped: the kernel writes their outputs)."""
 
-    def with_zeros(*refs):
-        *ins, _zeros_ref, o_ref = refs
-        kernel(*ins, o_ref)
+    def flat(*refs):
+        x_refs, (w_ref, s_ref, z_ref) = refs[:n_x], refs[n_x:n_x + 3]
+        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_zeros:])
 
-    return with_zeros
+    return flat

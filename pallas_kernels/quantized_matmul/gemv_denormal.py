@@ -34,6 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .gemv_splits import write_rows
 from .reference import PER_WORD
 
 SUBNORMAL = 149  # float32 bits b < 2^24 (exponent field 0 or 1) read as b 2^-149
@@ -114,29 +115,15 @@ def scale_x(x, unit: int, interpret: bool):
     return jax.lax.bitcast_convert_type(bits + (unit << 23), jnp.float32)
 
 
-def store_row(o_ref, m: int, value, cols, n: int | None, atomic: bool):
-    """Row m of this program's output block: in o_ref's dtype, masked past column n when the
-    output is exactly N wide (None: padded to whole column blocks), or added atomically (an
-    f32 output zeroed by the caller, which the splits of one column block share). Row m as a
-    [1, bn] slice: the interpreter's masked store and atomic add take no integer index."""
-    if atomic:
-        pltriton.atomic_add(o_ref, (pl.ds(m, 1), slice(None)), value[None, :])
-    elif n is None:
-        o_ref[m, :] = value.astype(o_ref.dtype)
-    else:
-        pltriton.store(o_ref.at[pl.ds(m, 1), :], value.astype(o_ref.dtype)[None, :],
-                       mask=(cols < n)[None, :])
-
-
-def denormal_kernel(*refs, n: int, steps: int, step_words: int, group_words: int,
-                    evict_first: bool, interpret: bool, pairs: bool, prefetch: bool,
-                    out_n: int | None, atomic: bool, prescaled: bool):
+def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
+                    step_words: int, group_words: int, evict_first: bool, interpret: bool,
+                    pairs: bool, prefetch: bool, out_n: int | None, mode: str,
+                    prescaled: bool):
     # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
     # (row, nibble), and scales it in registers; the threads sum each step's together), or
     # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
     # :func:`prescaled_inputs`; w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
-    # o_ref [M, block_n]
-    *x_refs, w_ref, s_ref, z_ref, o_ref = refs
+    # out_refs: gemv_splits.split_outputs' for ``mode``
     x_ref = x_refs[0]
     rows = x_ref.shape[0]
     block_n = w_ref.shape[1]
@@ -188,8 +175,8 @@ def denormal_kernel(*refs, n: int, steps: int, step_words: int, group_words: int
     zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
     init = (zeros, zeros, load_words(0) if prefetch else ())
     acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
-    for m in range(rows):
-        store_row(o_ref, m, (acc[m] - corr[m]) * 2.0**X_EXP, cols, out_n, atomic)
+    ys = [(a - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
+    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
 
 
 def prescaled_inputs(x: jax.Array, step_words: int, pairs: bool,
