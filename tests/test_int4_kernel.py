@@ -18,6 +18,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxllm.pallas_kernels.quantized_matmul import (
     Int4GemvConfig,
     Int4MatmulConfig,
+    gemv_config,
     gemv_denormal,
     gemv_unsupported,
     int4_gemv,
@@ -263,6 +264,26 @@ def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(mod
         assert ops["custom_call"] == 1
         assert not {"pad", "multiply", "slice", "concatenate"} & set(ops), ops
         assert ops["reduce"] == (mode == "xla") and ops["convert"] == (mode != "last"), ops
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the splits' atomics need a GPU")
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (2, 4096, 28672), (1, 14336, 4096)])
+def test_gemv_splits_sums_on_the_gpu_equal_reference_and_last_is_reproducible(m, k, n):
+    """Compiled (not interpreted): the splits added by atomics or by the last split racing on
+    real SMs, against the reference; "last" bit-for-bit the same over repeated calls."""
+    w = int4_weight(k, n, 128, jnp.bfloat16, seed=m)
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
+    for mode in ("xla", "atomic", "last"):
+        config = dataclasses.replace(gemv_config(m, k, n, 128), splits_sum=mode)
+        run = jax.jit(lambda x, c=config: int4_gemv(x, w.qweight, w.scales, w.zeros,
+                                                     group_size=128, config=c))
+        got = run(x)
+        assert_close(got, want, x, w, scale_on_output=True)
+        if mode == "last":
+            for _ in range(10):
+                np.testing.assert_array_equal(np.asarray(run(x), np.float32),
+                                              np.asarray(got, np.float32))
 
 
 def test_gemv_unsupported_shapes_and_configs_are_named():
