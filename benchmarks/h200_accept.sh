@@ -2,8 +2,9 @@
 # Issue 17's goals in one run on one H200 (chain for benchmarks/gpu_chain.sh), Llama-3-8B shape,
 # dummy bf16, and this session's kernel changes against the tree before them (BEFORE, a second
 # `git archive` unpacked at $BEFORE_TGZ), in order:
-#   g0  the changed attention kernels' GPU tests; g1 the int4 GEMV and tiled kernel at 1 and 16
-#       tokens, each checked against the reference on the device (the chain stops if either fails)
+#   g0  the changed kernels' GPU tests; g1 the int4 GEMV (and its x-in-XLA and in-kernel split
+#       sum modes) and tiled kernel at 1 and 16 tokens, each checked against the reference on the
+#       device (the chain stops if either fails)
 #   k1  kernels: decode at batch 64 x context 2048 (shuffled block tables, timed with the
 #       program's dispatch) against the copy rate; prefill of 2k chunks over 0 / 2k / 8k cached
 #       tokens against the matmul rate (config sweep at the first point)
@@ -44,10 +45,11 @@ steps() {
   {
     # The changed kernels compiled and checked on the GPU first: the rest needs them right.
     step g0_kernel_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-      tests/test_paged_attention_kernels.py tests/test_kv_cache_fp8.py -k "unpadded or \
-      head_dim_128 or launch_order or large_batch or long_chunks or decode_batch or fp8"
+      tests/test_paged_attention_kernels.py tests/test_kv_cache_fp8.py tests/test_int4_kernel.py \
+      -k "unpadded or head_dim_128 or launch_order or large_batch or long_chunks or decode_batch \
+      or fp8 or splits_sums"
     step g1_int4_small_m 40 120 $PY -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1,16 \
-      --output-json "$DIR/g1_int4_small_m.json"
+      --gemv-modes --output-json "$DIR/g1_int4_small_m.json"
     if [ -f "$DIR/failed" ] || grep -q BAD "$DIR/g1_int4_small_m.log"; then
       echo "kernel checks failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi
     step k1_kernels 90 200 $PY $KERNELS --budget-s 120 --no-prefill-reference --out "$DIR/k1_kernels.json"

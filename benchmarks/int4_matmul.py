@@ -27,6 +27,7 @@ process as the current one ("gemv"):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 import traceback
@@ -64,6 +65,14 @@ GEMV_SWEEP = [
     ("dot", dict(dot=True)),
     ("dot n64", dict(dot=True, block_n=64)),
     ("dot n256 w8", dict(dot=True, block_n=256, num_warps=8)),
+]
+# --gemv-modes: the default config with x pre-scaled in XLA (as before the kernel read x) and
+# with the split-K partials summed in the kernel (atomic adds, or the last split of a column
+# block summing them in order) instead of by an XLA fusion after the call.
+GEMV_MODES = [
+    ("x in XLA", dict(x_in_kernel=False)),
+    ("splits atomic", dict(splits_sum="atomic")),
+    ("splits last", dict(splits_sum="last")),
 ]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
@@ -126,6 +135,12 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
             kwargs = GEMV_BEFORE.get((rows, k, n),
                                      dict(block_words=16 if rows <= 2 else 32 // rows))
             variants["gemv before"] = ("gemv", Int4GemvConfig(denormal=False, **kwargs))
+        if args.gemv_modes and not variants["gemv"][1].dot:
+            default = variants["gemv"][1]
+            for label, kwargs in GEMV_MODES:
+                config = dataclasses.replace(default, **kwargs)
+                if gemv_unsupported(tokens, k, n, group, config) is None:
+                    variants[f"gemv {label}"] = ("gemv", config)
     if args.gemv_sweep:
         for label, kwargs in GEMV_SWEEP:
             if kwargs.get("dot") and tokens < 4:
@@ -286,6 +301,9 @@ def main(argv=None) -> None:
                         help="also XLA's dequantize-then-dot (the path without kernels)")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="also the GEMV block configs of GEMV_SWEEP")
+    parser.add_argument("--gemv-modes", action="store_true",
+                        help="also the default GEMV with x pre-scaled in XLA and with the "
+                        "split-K sums in the kernel (GEMV_MODES)")
     parser.add_argument("--gemv-before", action="store_true",
                         help="also the GEMV as it ran before the denormal loop (GEMV_BEFORE's "
                         "configs with the 2^23-magic loop), in the same process")
