@@ -27,6 +27,7 @@ from jaxllm.serve.generation import STATE
 from jaxllm.serve.security import ssl_context
 from jaxllm.serve.state import ServerState
 
+from jaxllm.engine import gc_watch
 from jaxllm.engine.engine_client import EngineClient
 
 logger = logging.getLogger("serve")
@@ -42,6 +43,7 @@ async def run_server(engine: EngineClient, config: ServerConfig, stop: asyncio.E
     of binding ``config``'s host and port. Returns the exit status: 0, or 1 when it stopped
     because the engine died."""
     await engine.attach()
+    gc_watch.install(logger, "api server")
     app = build_app(engine, config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
                            access_log=None if config.disable_log_requests else

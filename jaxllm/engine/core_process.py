@@ -58,6 +58,7 @@ from typing import Any
 
 import zmq
 
+from jaxllm.engine import gc_watch
 from jaxllm.engine.engine_client import EngineInfo
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.replica_devices import replica_device_env
@@ -240,6 +241,7 @@ def run_engine_core(config: EngineConfig, address: str, lifelines: list, parent:
     # engine core does.
     gc.collect()
     gc.freeze()
+    gc_watch.install(logger, "engine core")
     ready.send(("ready", EngineInfo.of(engine), engine.tokenizer))
     ready.close()
     sys.exit(core.run())

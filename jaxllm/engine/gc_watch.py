@@ -1,0 +1,39 @@
+"""Logs garbage collections long enough to stall a step or a stream (``gc.callbacks``).
+
+A full collection of a serving process's heap can take ~100-200 ms (benchmarks/gc_pause.py),
+far above a decode step; when a latency percentile jumps, the log says whether a collection
+was there. ``JAXLLM_GC_WARN_MS`` sets the threshold (default 50 ms; 0 turns the watch off).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+
+DEFAULT_WARN_MS = 50.0
+
+
+def install(logger: logging.Logger, where: str) -> Callable | None:
+    """Warn on ``logger`` for every collection longer than the threshold (once a process);
+    returns the callback installed (None: off, or already installed)."""
+    warn_ms = float(os.environ.get("JAXLLM_GC_WARN_MS", DEFAULT_WARN_MS))
+    if warn_ms <= 0 or any(getattr(cb, "_jaxllm_gc_watch", False) for cb in gc.callbacks):
+        return None
+    started = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - started[0])
+        if ms >= warn_ms:
+            logger.warning("%s: a generation-%d garbage collection took %.0f ms (%d objects "
+                           "collected)", where, info.get("generation", -1), ms,
+                           info.get("collected", 0))
+
+    watch._jaxllm_gc_watch = True
+    gc.callbacks.append(watch)
+    return watch

@@ -1,0 +1,30 @@
+"""The collection watch logs long collections and installs once."""
+
+import gc
+import logging
+
+from jaxllm.engine import gc_watch
+
+
+def test_long_collections_are_logged_once_installed(monkeypatch, caplog):
+    monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0.000001")  # every collection is "long"
+    log = logging.getLogger("test_gc_watch")
+    # A server test run earlier in this process may have installed one.
+    earlier = [cb for cb in gc.callbacks if getattr(cb, "_jaxllm_gc_watch", False)]
+    for cb in earlier:
+        gc.callbacks.remove(cb)
+    watch = gc_watch.install(log, "here")
+    try:
+        assert watch is not None and gc_watch.install(log, "again") is None
+        with caplog.at_level(logging.WARNING, logger="test_gc_watch"):
+            gc.collect()
+        assert any("here: a generation-2 garbage collection took" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        gc.callbacks.remove(watch)
+        gc.callbacks.extend(earlier)
+
+
+def test_zero_turns_it_off(monkeypatch):
+    monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0")
+    assert gc_watch.install(logging.getLogger("test_gc_watch"), "off") is None
