@@ -36,6 +36,8 @@ TIMELINE="-m jaxllm.benchmarks.step_timeline --model llama-3-8b --load-format du
 ONE="--model llama-3-8b --load-format dummy --dtype bfloat16 --no-progress --dataset-name random
   --input-len 1024 --output-len 160 --num-prompts 2 --max-num-seqs 1 --max-num-batched-tokens 2048
   --num-gpu-blocks-override 2000 --unroll-layers --trace-steps 60:40 --host-profile-steps 110:40 --top 40"
+# (bash -c strings below get these flag lists with their newlines turned into spaces: a newline
+# there ends the command; l0 failed with "--batch-sizes: command not found" on 2026-12-03.)
 BEFORE=/tmp/before_tree  # outside $DIR: not packed with the results
 
 steps() {
@@ -57,7 +59,7 @@ steps() {
       $PY $KERNELS --no-prefill --out $DIR/k0_kernels_before.json"
     step l1_latency 50 100 $PY $LATENCY --output-json "$DIR/l1_latency.json"
     step l0_latency_before 50 100 bash -c "cd $BEFORE && JAXLLM_COMMIT=${BEFORE_COMMIT:-} \
-      $PY $LATENCY --output-json $DIR/l0_latency_before.json"
+      $PY ${LATENCY//$'\n'/ } --output-json $DIR/l0_latency_before.json"
     step t1_sharegpt 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
       --output-json "$DIR/t1_sharegpt.json"
     export -f served

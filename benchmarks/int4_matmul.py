@@ -66,11 +66,11 @@ GEMV_SWEEP = [
     ("dot n64", dict(dot=True, block_n=64)),
     ("dot n256 w8", dict(dot=True, block_n=256, num_warps=8)),
 ]
-# --gemv-modes: the default config with x pre-scaled in XLA (as before the kernel read x) and
+# --gemv-modes: the default config with x read and scaled by the kernel (x_in_kernel) and
 # with the split-K partials summed in the kernel (atomic adds, or the last split of a column
 # block summing them in order) instead of by an XLA fusion after the call.
 GEMV_MODES = [
-    ("x in XLA", dict(x_in_kernel=False)),
+    ("x in kernel", dict(x_in_kernel=True)),
     ("splits atomic", dict(splits_sum="atomic")),
     ("splits last", dict(splits_sum="last")),
 ]
@@ -302,7 +302,7 @@ def main(argv=None) -> None:
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="also the GEMV block configs of GEMV_SWEEP")
     parser.add_argument("--gemv-modes", action="store_true",
-                        help="also the default GEMV with x pre-scaled in XLA and with the "
+                        help="also the default GEMV with x read by the kernel and with the "
                         "split-K sums in the kernel (GEMV_MODES)")
     parser.add_argument("--gemv-before", action="store_true",
                         help="also the GEMV as it ran before the denormal loop (GEMV_BEFORE's "

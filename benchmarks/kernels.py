@@ -281,7 +281,7 @@ PREFILL_SWEEP = {
     "q128_kv64_w4_s3": PrefillConfig(num_warps=4),
     "q64_kv64_w4_s3": PrefillConfig(block_q_rows=64, num_warps=4),
     "q128_kv128_w8_s2": PrefillConfig(block_kv=128, num_stages=2),
-    "q128_kv128_w8_s2_fwd": PrefillConfig(block_kv=128, num_stages=2, heavy_first=False),
+    "q128_kv128_w8_s2_heavy": PrefillConfig(block_kv=128, num_stages=2, heavy_first=True),
     "q128_kv32_w4_s4": PrefillConfig(block_kv=32, num_warps=4, num_stages=4),
     "q256_kv64_w8_s3": PrefillConfig(block_q_rows=256),
     "q128_kv128_w8_s3": PrefillConfig(block_kv=128, num_stages=3),

@@ -255,7 +255,7 @@ def test_gemv_is_one_kernel_and_at_most_the_split_sum_for_the_8b_projections(mod
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // 128, n), jnp.bfloat16),
             ((k // 128, n), jnp.uint8)]]
-        config = dataclasses.replace(GEMV_TABLE[m, k, n], splits_sum=mode)
+        config = dataclasses.replace(GEMV_TABLE[m, k, n], splits_sum=mode, x_in_kernel=True)
         fn = jax.jit(lambda x, q, s, z, c=config: int4_gemv(x, q, s, z, group_size=128,
                                                             config=c))
         with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
