@@ -14,6 +14,7 @@ same and exits 1, as vLLM does, for the orchestrator to restart it;
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -119,6 +120,14 @@ def serve_forever(engine: EngineClient, config: ServerConfig,
         return await run_server(engine, config, stop,
                                 lambda app, _: states.append(app[STATE]), sock)
 
+    # A serving process's start-up heap (the tokenizer, the app, jax's and aiohttp's modules)
+    # leaves the collector's generations: a full collection then walks only what requests
+    # allocate. Unfrozen, gen-2 collections of an API server took 334-734 ms in the CI's test
+    # processes (gc_watch's warnings); a ~200 ms stall of that size, not yet attributed, set
+    # the H200's 10 req/s P99 TTFT (benchmarks/RESULTS.md, 2026-12-03). Here only: this
+    # function owns its process, unlike BackgroundServer in a test or notebook.
+    gc.collect()
+    gc.freeze()
     engine.start()
     try:
         return asyncio.run(main())

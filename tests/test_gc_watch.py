@@ -28,3 +28,23 @@ def test_long_collections_are_logged_once_installed(monkeypatch, caplog):
 def test_zero_turns_it_off(monkeypatch):
     monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0")
     assert gc_watch.install(logging.getLogger("test_gc_watch"), "off") is None
+
+
+def test_serve_forever_freezes_the_start_up_heap(monkeypatch):
+    """The serving process's own entry point moves its start-up objects out of the
+    collector's generations before it starts the engine."""
+    from jaxllm.serve import server
+
+    calls = []
+    monkeypatch.setattr(server.gc, "freeze", lambda: calls.append("freeze"))
+
+    class Engine:
+        def start(self):
+            calls.append("start")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    monkeypatch.setattr(server.asyncio, "run", lambda coro: (coro.close(), 0)[1])
+    assert server.serve_forever(Engine(), None) == 0
+    assert calls == ["freeze", "start", "shutdown"]
