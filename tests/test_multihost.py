@@ -120,10 +120,14 @@ class Node:
 
     def wait(self, timeout: float) -> int:
         try:
-            return self.process.wait(timeout)
+            code = self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(f"still running after {timeout} s:\n"
                                  f"{self.output[-3000:]}") from None
+        # The process is gone but its last lines may still be in the pipe: the reader ends
+        # at EOF (a test once read the output before the exit message reached self.lines).
+        self._reader.join(5)
+        return code
 
     def kill(self) -> None:
         if self.process.poll() is None:
