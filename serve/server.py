@@ -14,7 +14,6 @@ same and exits 1, as vLLM does, for the orchestrator to restart it;
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 import socket
@@ -44,7 +43,6 @@ async def run_server(engine: EngineClient, config: ServerConfig, stop: asyncio.E
     of binding ``config``'s host and port. Returns the exit status: 0, or 1 when it stopped
     because the engine died."""
     await engine.attach()
-    gc_watch.install(logger, "api server")
     app = build_app(engine, config)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ABORT_GRACE,
                            access_log=None if config.disable_log_requests else
@@ -126,8 +124,7 @@ def serve_forever(engine: EngineClient, config: ServerConfig,
     # processes (gc_watch's warnings); a ~200 ms stall of that size, not yet attributed, set
     # the H200's 10 req/s P99 TTFT (benchmarks/RESULTS.md, 2026-12-03). Here only: this
     # function owns its process, unlike BackgroundServer in a test or notebook.
-    gc.collect()
-    gc.freeze()
+    gc_watch.settle(logger, "api server")
     engine.start()
     try:
         return asyncio.run(main())

@@ -36,7 +36,8 @@ def test_serve_forever_freezes_the_start_up_heap(monkeypatch):
     from jaxllm.serve import server
 
     calls = []
-    monkeypatch.setattr(server.gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc_watch.gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0")  # no watch left behind in this process
 
     class Engine:
         def start(self):

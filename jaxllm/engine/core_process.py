@@ -42,7 +42,6 @@ gone fails its requests and reports the engine dead (``/health`` 503, exit statu
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -239,9 +238,7 @@ def run_engine_core(config: EngineConfig, address: str, lifelines: list, parent:
     # a full collection walks only what serving allocates (at 1,024 running sequences one
     # took 155-165 ms of a step, 65-84 ms after a freeze: benchmarks/gc_pause.py), as vLLM's
     # engine core does.
-    gc.collect()
-    gc.freeze()
-    gc_watch.install(logger, "engine core")
+    gc_watch.settle(logger, "engine core")
     ready.send(("ready", EngineInfo.of(engine), engine.tokenizer))
     ready.close()
     sys.exit(core.run())

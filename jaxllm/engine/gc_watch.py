@@ -1,4 +1,9 @@
-"""Logs garbage collections long enough to stall a step or a stream (``gc.callbacks``).
+"""The collector in a serving process: its start-up heap frozen, long collections logged.
+
+:func:`settle` is for a process's own entry point (the engine core, the API server): it
+moves what start-up allocated out of the collector's generations (``gc.freeze``), so a full
+collection walks only what serving allocates, and installs :func:`install`'s watch. Not for a
+process that also runs other work (a test or a notebook holding several engines).
 
 A full collection of a serving process's heap can take ~100-200 ms (benchmarks/gc_pause.py),
 far above a decode step; when a latency percentile jumps, the log says whether a collection
@@ -14,6 +19,13 @@ import time
 from collections.abc import Callable
 
 DEFAULT_WARN_MS = 50.0
+
+
+def settle(logger: logging.Logger, where: str) -> None:
+    """Freeze what start-up allocated, then watch the collections (see the module docstring)."""
+    gc.collect()
+    gc.freeze()
+    install(logger, where)
 
 
 def install(logger: logging.Logger, where: str) -> Callable | None:
