@@ -3,10 +3,9 @@
 A masked nibble left where it sits in its word, ``bits = word & (0xF << p)``, is below
 float32's exponent field (p <= 20: the field is 0 or 1), and such a bit pattern reads as the
 float ``bits 2^-149`` exactly (the subnormals and the first normal binade are one linear
-range). So with x scaled by ``2^(149 - p - X_EXP)`` (a power of two, added to x's exponent
-field as x is read: exact), one FFMA adds ``q x 2^-X_EXP`` with no conversion and no bias to
-subtract. The zero point leaves the loop: sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k
-x_k), with sum_k x_k once per step (the program's threads reduce the step's x together)::
+range). So with x scaled by ``2^(149 - p - X_EXP)`` (a power of two: exact), one FFMA adds
+``q x 2^-X_EXP`` with no conversion and no bias to subtract. The zero point leaves the loop:
+sum_k x_k (q_k - z) s = s (sum_k x_k q_k - z sum_k x_k), with sum_k x_k once per step::
 
     per word row r, column n:   part[n] += xs[r, j] * float(word[r, n] & (0xF << p_j))  x8
     per step (one group):       acc[n]  += s[g, n] part[n];  corr[n] += s z[g, n] xsum[step]
@@ -17,9 +16,11 @@ words are loaded), so the scale, the zeros and every partial sum share it: no la
 conversion through shared memory and no cross-thread reduction of the products; x is one
 scalar load and one integer op (the exponent add, :func:`scale_x`) a thread per (row,
 nibble), shared by the thread's columns. Nibbles 6, 7 (bits 24..31 would reach the exponent)
-come from one ``prmt`` per pair of word rows. x comes in as it is, so no XLA op runs before
-the call (``Int4GemvConfig.x_in_kernel``; False: XLA scales and sums it first, one integer
-op a thread per (row, nibble) fewer, two small fusions more).
+come from one ``prmt`` per pair of word rows. By default XLA scales x and sums each step's
+before the call (two small fusions; :func:`prescaled_inputs`); with
+``Int4GemvConfig.x_in_kernel`` x comes in as it is and each thread scales what it reads (one
+integer op a thread per (row, nibble) more, no XLA op before the call), which made the
+engine's AWQ step slower on the H200 (the config's note).
 
 Needs float32 subnormals kept (no flush-to-zero): Triton emits ``fma.rn.f32``, and XLA's
 GPU compile flushes only with ``--xla_gpu_ftz``. XLA:CPU flushes them, so interpret mode
