@@ -90,7 +90,7 @@ def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple
             jax.ShapeDtypeStruct((seqs,), jnp.int32), jax.ShapeDtypeStruct((seqs + 1,), jnp.int32),
             jax.ShapeDtypeStruct((tokens,), jnp.int32))
     run = paged_attention_decode if kernel == "decode" else paged_attention_prefill
-    config = DecodeConfig() if kernel == "decode" else PrefillConfig()
+    config = DecodeConfig() if kernel == "decode" else PrefillConfig.for_dtypes(jnp.bfloat16, kv)
     ttir = _capture(lambda *a: run(*a, scale=HEAD_DIM**-0.5), args)
     return ttir, config.num_warps, config.num_stages
 

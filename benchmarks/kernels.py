@@ -276,19 +276,19 @@ def sweep_decode(points, deadline) -> dict:
     return out
 
 
-PREFILL_SWEEP = {
-    "q128_kv64_w8_s3": PrefillConfig(block_kv=64, num_stages=3),
-    "q128_kv64_w4_s3": PrefillConfig(num_warps=4),
-    "q64_kv64_w4_s3": PrefillConfig(block_q_rows=64, num_warps=4),
-    "q128_kv128_w8_s2": PrefillConfig(block_kv=128, num_stages=2),
-    "q128_kv128_w8_s2_heavy": PrefillConfig(block_kv=128, num_stages=2, heavy_first=True),
-    "q128_kv32_w4_s4": PrefillConfig(block_kv=32, num_warps=4, num_stages=4),
-    "q256_kv64_w8_s3": PrefillConfig(block_q_rows=256),
-    "q128_kv128_w8_s3": PrefillConfig(block_kv=128, num_stages=3),
-    "q128_kv128_w4_s2": PrefillConfig(block_kv=128, num_warps=4, num_stages=2),
-    "q256_kv128_w8_s2": PrefillConfig(block_q_rows=256, block_kv=128, num_stages=2),
-    "q64_kv128_w4_s3": PrefillConfig(block_q_rows=64, block_kv=128, num_warps=4),
-}
+def _prefill_name(c: PrefillConfig) -> str:
+    return (f"q{c.block_q_rows}_kv{c.block_kv}_w{c.num_warps}_s{c.num_stages}"
+            + ("_heavy" if c.heavy_first else ""))
+
+
+# Every field spelled out: a name stays true when the defaults change.
+PREFILL_SWEEP = {_prefill_name(c): c for c in [
+    PrefillConfig(block_q_rows=q, block_kv=kv, num_warps=w, num_stages=s, heavy_first=h)
+    for q, kv, w, s, h in [
+        (128, 64, 8, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False),
+        (128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 32, 4, 4, False),
+        (256, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 128, 4, 2, False),
+        (256, 128, 8, 2, False), (64, 128, 4, 3, False), (128, 128, 8, 4, False)]]}
 
 
 def bench_prefill(chunk: int, cached: int, impls: dict) -> dict:
@@ -389,7 +389,7 @@ def main() -> int:
                 save()
 
     results["prefill"] = []
-    default = {"pallas": PrefillConfig()}
+    default = {"pallas": PrefillConfig()}  # bf16 pages: what the engine runs
     best = "" if args.no_prefill_sweep else None
     first_chunk = PLAN.prefill_points[0][0] if PLAN.prefill_points else 0
     for chunk, cached in PLAN.prefill_points:

@@ -55,3 +55,17 @@ def test_prefill_call_has_no_xla_padding_for_a_group_of_three():
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "stablehlo.pad" not in text
     assert "(tensor<576x64xbf16>) -> tensor<64x9x64xbf16>" in text  # the result, reshaped
+
+
+@pytest.mark.parametrize(("q_dtype", "pool_dtype", "block_kv"), [
+    (jnp.bfloat16, jnp.bfloat16, 128), (jnp.bfloat16, jnp.float8_e4m3fn, 128),
+    (jnp.bfloat16, jnp.float32, 64), (jnp.float32, jnp.float32, 64)])
+def test_prefill_default_keeps_four_byte_tiles_within_shared_memory(q_dtype, pool_dtype,
+                                                                     block_kv):
+    """128-key tiles of float32 need more shared memory than an H200 SM has (the config's
+    docstring gives Triton's figures); the default halves the key block for them."""
+    from jaxllm.pallas_kernels.paged_attention import PrefillConfig
+
+    config = PrefillConfig.for_dtypes(q_dtype, pool_dtype)
+    assert config.block_kv == block_kv
+    assert config.num_stages == PrefillConfig().num_stages

@@ -37,17 +37,28 @@ _INT_MAX = int(np.iinfo(np.int32).max)
 class PrefillConfig:
     """Tunables of the prefill kernel (static)."""
 
-    # NOTE: block_kv=128, num_stages=2 measured best of 6 configs on the H200 at 4 of 6 chunk
-    # points (258 against 222 TFLOP/s for 64 / 3 at 2048 tokens over 8k; benchmarks/RESULTS.md).
+    # NOTE: 128 x 128 tiles, 8 warps, 3 stages: the fastest of 12 configs on the H200 at 2k
+    # chunks over 0 / 2k / 8k cached tokens (2026-12-03: +10 / +3 / +4% over 2 stages;
+    # benchmarks/RESULTS.md). Shared memory as Triton 3.6 compiles it for sm_90 (2k tokens over
+    # 1k, 32 / 8 heads of 128): 161 KiB over bf16 pages, 128 KiB over FP8 (2 or 3 stages alike);
+    # 4-byte tiles take for_dtypes' smaller key block.
     block_q_rows: int = 128  # query rows (tokens x query heads of a kv head) per program
     block_kv: int = 128  # keys per compute step (at least one page)
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
     # Query blocks launched last-first (a chunk's last blocks see the most keys, causal), as
     # FlashAttention orders causal attention; any order gives the same output. NOTE: off: on
     # the H200 (2026-12-03) it changed nothing beyond noise (2048-token chunk over 0 / 2k / 8k
     # cached tokens: 136 / 214 / 254 TFLOP/s against 141 / 204 / 254 in launch order).
     heavy_first: bool = False
+
+    @classmethod
+    def for_dtypes(cls, q_dtype, pool_dtype) -> PrefillConfig:
+        """The default for a query and pool dtype. Over float32 pages, 128-key tiles need 256
+        KiB of shared memory even with bf16 queries (an H200 SM has 227); 64-key tiles with
+        float32 queries 160 KiB (Triton 3.6 for sm_90)."""
+        widest = max(jnp.dtype(q_dtype).itemsize, jnp.dtype(pool_dtype).itemsize)
+        return cls(block_kv=64) if widest >= 4 else cls()
 
     def __post_init__(self):
         for name in ("block_q_rows", "block_kv"):
@@ -164,7 +175,7 @@ def paged_attention_prefill(
     ``skip_single_token_seqs`` leaves the rows of one-token sequences unwritten (undefined),
     for a caller that computes them elsewhere (:func:`paged_attention_mixed`)."""
     common.check_shapes(q, k_pool, v_pool)
-    config = config or PrefillConfig()
+    config = config or PrefillConfig.for_dtypes(q.dtype, k_pool.dtype)
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
