@@ -44,9 +44,11 @@ served() {
   echo "server up after $(( SECONDS - t0 )) s"
   for rate in ${rates//,/ }; do
     local n=$N; [ "$rate" != inf ] && n=${N_RATED:-300}  # a paced run: its latencies, not volume
+    local file="${name}_rate${rate}.json" again=2  # a rate run again keeps the first's file
+    while [ -f "$DIR/$file" ]; do file="${name}_rate${rate}_run${again}.json"; again=$((again + 1)); done
     $PY -m jaxllm.benchmarks serve --base-url http://127.0.0.1:8000 --dataset-name \
       sharegpt-like --num-prompts "$n" --request-rate "$rate" --save-result --result-dir "$DIR" \
-      --no-progress --result-filename "${name}_rate${rate}.json" 2>&1 | grep -v "^WARNING" \
+      --no-progress --result-filename "$file" 2>&1 | grep -v "^WARNING" \
       | tail -32
   done
   kill -TERM $server; wait $server
