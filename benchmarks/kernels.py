@@ -288,7 +288,8 @@ PREFILL_SWEEP = {_prefill_name(c): c for c in [
         (128, 64, 8, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False),
         (128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 32, 4, 4, False),
         (256, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 128, 4, 2, False),
-        (256, 128, 8, 2, False), (64, 128, 4, 3, False), (128, 128, 8, 4, False)]]}
+        (256, 128, 8, 2, False), (64, 128, 4, 3, False), (128, 128, 8, 4, False),
+        (128, 128, 8, 3, True)]]}
 
 
 def bench_prefill(chunk: int, cached: int, impls: dict) -> dict:
