@@ -45,7 +45,8 @@ def probe(chunk: int, cached: int, block_q: int, block_kv: int, steps: int, dtyp
     pairs = chunk * (chunk + 1) // 2 if causal else chunk * kv_len
     try:
         out = mgpu.attention(qs[0], k, v, config)
-        reference = jax.nn.dot_product_attention(qs[0], k, v, is_causal=causal)
+        # The kernel applies no 1/sqrt(D) scale: its module's reference neither.
+        reference = mgpu.attention_reference(qs[0], k, v, causal=causal)
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference.astype(jnp.float32))))
         sec = time_per_call(lambda i, k, v, *qs: mgpu.attention(qs[i], k, v, config), CALLS,
                             (k, v, *qs))
