@@ -118,6 +118,7 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
     """name -> ("bf16" | "xla" | "matmul" | "gemv", config or None)."""
     from jaxllm.pallas_kernels.quantized_matmul import (
         Int4GemvConfig,
+        Int4MatmulConfig,
         gemv_config,
         gemv_unsupported,
         unsupported,
@@ -128,6 +129,8 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         variants["xla dequantize + dot"] = ("xla", None)
     if unsupported(tokens, k, n, group) is None:
         variants["matmul kernel"] = ("matmul", None)
+        if args.one_dot:
+            variants["matmul kernel, one dot"] = ("matmul", Int4MatmulConfig(one_dot=True))
     if gemv_unsupported(tokens, k, n, group) is None:
         variants["gemv"] = ("gemv", gemv_config(tokens, k, n, group))
         rows = 1 << max(0, tokens - 1).bit_length()
@@ -307,6 +310,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gemv-before", action="store_true",
                         help="also the GEMV as it ran before the denormal loop (GEMV_BEFORE's "
                         "configs with the 2^23-magic loop), in the same process")
+    parser.add_argument("--one-dot", action="store_true",
+                        help="also the tiled kernel with one dot of K = block_k a step "
+                        "(Int4MatmulConfig.one_dot)")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in interpret mode (a CPU smoke run: --models tiny)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")

@@ -9,7 +9,9 @@ the Triton inside jaxlib), disassembled with the ``cuobjdump`` shipped with that
 every loop holding MMA instructions (``HMMA``/``HGMMA``) is printed with its instruction count
 per warp and iteration and its most frequent opcodes.
 
-``--kernel gemv`` (the int4 GEMV over a [--k, --n] weight at --tokens, group --group-size, with
+``--kernel matmul`` (the tiled int4 kernel, --matmul-config's fields) is printed as the
+attention kernels are. ``--kernel gemv`` (the int4 GEMV over a [--k, --n] weight at --tokens,
+group --group-size, with
 the config gemv_config picks or --gemv-config's fields) has no MMA: its main loop is its
 longest backward branch (or, when each program runs one step and the loop is gone, the whole
 kernel), printed with instructions per thread and iteration, per weight, and every opcode.
@@ -155,20 +157,43 @@ def compile_sass(ttir: str, warps: int, stages: int, triton_python: str) -> str:
                               check=True).stdout
 
 
+def _fields(text: str | None) -> dict:
+    """'a=1,b=False,c=last' as config fields (ints, booleans, None, else strings)."""
+    fields = {}
+    for item in filter(None, (text or "").split(",")):
+        name, value = (part.strip() for part in item.split("="))
+        constants = {"True": True, "False": False, "None": None}
+        if value in constants:
+            fields[name] = constants[value]
+        else:
+            try:
+                fields[name] = int(value)
+            except ValueError:
+                fields[name] = value
+    return fields
+
+
 def _gemv_config(args):
     """The config named by --gemv-config (fields over the defaults), else gemv_config's."""
     from jaxllm.pallas_kernels.quantized_matmul import Int4GemvConfig, gemv_config
 
     if args.gemv_config is None:
         return gemv_config(args.tokens, args.k, args.n, args.group_size)
-    fields = {}
-    for item in filter(None, args.gemv_config.split(",")):
-        name, value = item.split("=")
-        fields[name.strip()] = {"True": True, "False": False, "None": None}.get(
-            value.strip(), value.strip())
-        if isinstance(fields[name.strip()], str):
-            fields[name.strip()] = int(value)
-    return Int4GemvConfig(**fields)
+    return Int4GemvConfig(**_fields(args.gemv_config))
+
+
+def capture_matmul(k: int, n: int, tokens: int, group: int, config) -> tuple[str, int, int]:
+    """The tiled int4 kernel's Triton IR for sm_90 over a [K, N] weight at ``tokens`` rows."""
+    import jax
+    import jax.numpy as jnp
+    from jaxllm.pallas_kernels.quantized_matmul import int4_matmul
+
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in [
+        ((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
+        ((k // group, n), jnp.uint8)]]
+    ttir = _capture(lambda x, q, s, z: int4_matmul(x, q, s, z, group_size=group, config=config),
+                    args)
+    return ttir, config.num_warps, config.num_stages
 
 
 def run_gemv(args) -> dict:
@@ -221,13 +246,25 @@ def run(args) -> dict:
 
     if args.kernel == "gemv":
         return run_gemv(args)
-    ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens, args.context)
+    if args.kernel == "matmul":
+        from jaxllm.pallas_kernels.quantized_matmul import Int4MatmulConfig
+
+        config = Int4MatmulConfig(**_fields(args.matmul_config))
+        ttir, warps, stages = capture_matmul(args.k, args.n, args.tokens, args.group_size,
+                                             config)
+    else:
+        ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens,
+                                           args.context)
     sass = compile_sass(ttir, warps, stages, args.triton_python)
     result = {"commit": source_commit(), "kernel": args.kernel, "kv_dtype": args.kv_dtype,
               "tokens": args.tokens, "context": args.context,
               "num_warps": warps, "num_stages": stages,
               "loops": loops(sass)}
-    print(f"{args.kernel} over {args.kv_dtype} pages ({warps} warps, {stages} stages):")
+    if args.kernel == "matmul":
+        result.update(k=args.k, n=args.n, group_size=args.group_size, config=repr(config))
+        print(f"matmul K={args.k} N={args.n} tokens={args.tokens}: {config}")
+    else:
+        print(f"{args.kernel} over {args.kv_dtype} pages ({warps} warps, {stages} stages):")
     for loop in result["loops"]:
         top = ", ".join(f"{op} {n}" for op, n in list(loop["opcodes"].items())[:8])
         print(f"  loop at {loop['start']}: {loop['instructions']} instructions; {top}")
@@ -237,7 +274,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["decode", "prefill", "gemv"], default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", "gemv", "matmul"],
+                        default="decode")
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
     parser.add_argument("--tokens", type=int, default=None,
                         help="decode: sequences (256); prefill: chunk tokens (2048); gemv: 1")
@@ -248,6 +286,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gemv-config", default=None,
                         help="gemv: Int4GemvConfig fields, e.g. 'block_n=256,num_warps=8' "
                         "(default: gemv_config's pick, GEMV_TABLE's entry where listed)")
+    parser.add_argument("--matmul-config", default=None,
+                        help="matmul (the tiled int4 kernel): Int4MatmulConfig fields, e.g. "
+                        "'one_dot=True' (default: the defaults)")
     parser.add_argument("--sass-out", default=None, help="gemv: write the whole SASS here")
     parser.add_argument("--triton-python", required=True,
                         help="an interpreter with the triton package (e.g. a venv with "
@@ -255,7 +296,7 @@ def main(argv=None) -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokens is None:
-        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1}[args.kernel]
+        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "matmul": 128}[args.kernel]
     run(args)
 
 

@@ -87,6 +87,21 @@ def test_kernel_equals_reference(group, dtype):
         assert_close(got, want, x, w)
 
 
+@pytest.mark.parametrize("group", [32, 128, K])
+def test_one_dot_kernel_equals_reference(group):
+    """The K-ordered tile with one dot a step: groups smaller than, equal to and larger than
+    a step, in both dtypes, one and several row blocks."""
+    config = Int4MatmulConfig(one_dot=True, block_m=16)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = int4_weight(K, N, group, dtype, seed=2)
+        for m in (1, 40):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, K)), dtype)
+            got = int4_matmul(x, w.qweight, w.scales, w.zeros, group_size=group,
+                              interpret=True, config=config)
+            want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=group)
+            assert_close(got, want, x, w)
+
+
 def test_kernel_takes_leading_dims_several_row_blocks_and_column_blocks():
     w = int4_weight(K, 2 * N, 128, jnp.float32, seed=1)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 17, K)), jnp.float32)

@@ -51,6 +51,12 @@ class Int4MatmulConfig:
     max_splits: int = 16
     num_warps: int = 4
     num_stages: int = 3
+    # One dot of K = block_k a step over the tile unpacked in K order (x read as it is) instead
+    # of 8 dots of K = block_k / 8 over nibble planes (x permuted in XLA). NOTE: off until
+    # timed on a GPU; compiled for sm_90 on a CPU (benchmarks/RESULTS.md, 2026-12-03) its step
+    # loop is 980 instructions a warp against 1,563, without the 71 spills and with 64 FADDs
+    # against 512 (the 8 partial products' sums).
+    one_dot: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m"):
@@ -125,6 +131,34 @@ def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, block_words: int,
     o_ref[...] = acc
 
 
+def _kernel_one_dot(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, block_words: int,
+                    group_words: int, dtype):
+    split = pl.program_id(1)
+    block_m, block_n = o_ref.shape
+    block_k = block_words * PER_WORD
+    shifts = 4 * jax.lax.broadcasted_iota(jnp.int32, (block_words, PER_WORD, block_n), 1)
+
+    def step(i, acc):
+        r0 = pl.multiple_of(i * block_words, block_words)  # word row within the split
+        words = w_ref[pl.ds(r0, block_words), :]  # i32[block_k / 8, block_n]
+        first = split * steps * block_words + r0  # word row within K
+        if group_words % block_words == 0:  # the whole step in one group
+            scales = s_ref[first // group_words, :][None, None, :]  # [1, 1, block_n]
+            zeros = z_ref[first // group_words, :][None, None, :]
+        else:  # smaller groups: each word row's own group
+            groups = (first + jnp.arange(block_words, dtype=jnp.int32)) // group_words
+            scales, zeros = s_ref[groups, :][:, None, :], z_ref[groups, :][:, None, :]
+        # Nibble j of word row r is input row 8 r + j, so [rows, 8, cols] flattens in K order.
+        q = jnp.right_shift(words[:, None, :], shifts) & 0xF
+        w = (q - zeros.astype(jnp.int32)).astype(dtype) * scales.astype(dtype)
+        xk = x_ref[:, pl.ds(pl.multiple_of(r0 * PER_WORD, block_k), block_k)]
+        return acc + jnp.dot(xk, w.reshape(block_k, block_n),  # [block_m, block_k] @ [.., n]
+                             preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+    o_ref[...] = acc
+
+
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
 def int4_matmul(
     x: jax.Array,  # [.., K]
@@ -152,16 +186,20 @@ def int4_matmul(
     split_words = words // splits
     block_words = config.block_k // PER_WORD
     xp = jnp.pad(x2, ((0, m_pad - m), (0, 0)))
-    xp = xp.reshape(m_pad, words, PER_WORD).transpose(2, 0, 1)  # [8, M', K/8]
+    if config.one_dot:  # [M', K] as it is
+        x_spec = pl.BlockSpec((block_m, split_words * PER_WORD), lambda j, s, i: (i, s))
+    else:  # [8, M', K/8]: nibble planes
+        xp = xp.reshape(m_pad, words, PER_WORD).transpose(2, 0, 1)
+        x_spec = pl.BlockSpec((PER_WORD, block_m, split_words), lambda j, s, i: (0, i, s))
     groups = scales.shape[0]
-    kernel = functools.partial(_kernel, steps=split_words // block_words,
-                               block_words=block_words, group_words=group_size // PER_WORD,
-                               dtype=x.dtype)
+    kernel = functools.partial(_kernel_one_dot if config.one_dot else _kernel,
+                               steps=split_words // block_words, block_words=block_words,
+                               group_words=group_size // PER_WORD, dtype=x.dtype)
     partial = pl.pallas_call(
         kernel,
         grid=(n // config.block_n, splits, m_pad // block_m),
         in_specs=[
-            pl.BlockSpec((PER_WORD, block_m, split_words), lambda j, s, i: (0, i, s)),
+            x_spec,
             pl.BlockSpec((split_words, config.block_n), lambda j, s, i: (s, j)),
             pl.BlockSpec((groups, config.block_n), lambda j, s, i: (0, j)),
             pl.BlockSpec((groups, config.block_n), lambda j, s, i: (0, j)),
