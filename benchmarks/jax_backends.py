@@ -51,7 +51,9 @@ def make_engine(model, args):
         unroll_layers=args.unroll_layers, tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), disable_log_stats=True)
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), disable_log_stats=True,
+        **({"compilation_cache_dir": args.compilation_cache_dir}
+           if getattr(args, "compilation_cache_dir", None) else {}))
     # The LLM class's default limits (offline: 16384 tokens a step on a large GPU).
     engine = LLMEngine(config, model=model, progress=not args.no_progress,
                        usage_context="llm_class")

@@ -157,7 +157,7 @@ def compile_sass(ttir: str, warps: int, stages: int, triton_python: str) -> str:
                               check=True).stdout
 
 
-def _fields(text: str | None) -> dict:
+def config_fields(text: str | None) -> dict:
     """'a=1,b=False,c=last' as config fields (ints, booleans, None, else strings)."""
     fields = {}
     for item in filter(None, (text or "").split(",")):
@@ -179,7 +179,7 @@ def _gemv_config(args):
 
     if args.gemv_config is None:
         return gemv_config(args.tokens, args.k, args.n, args.group_size)
-    return Int4GemvConfig(**_fields(args.gemv_config))
+    return Int4GemvConfig(**config_fields(args.gemv_config))
 
 
 def capture_matmul(k: int, n: int, tokens: int, group: int, config) -> tuple[str, int, int]:
@@ -249,7 +249,7 @@ def run(args) -> dict:
     if args.kernel == "matmul":
         from jaxllm.pallas_kernels.quantized_matmul import Int4MatmulConfig
 
-        config = Int4MatmulConfig(**_fields(args.matmul_config))
+        config = Int4MatmulConfig(**config_fields(args.matmul_config))
         ttir, warps, stages = capture_matmul(args.k, args.n, args.tokens, args.group_size,
                                              config)
     else:

@@ -53,6 +53,31 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="START:COUNT steps of the second pass profiled with cProfile")
     parser.add_argument("--out-dir", default="step_profile")
     parser.add_argument("--top", type=int, default=25, help="rows in each printed table")
+    parser.add_argument("--gemv-overrides", default=None,
+                        help="Int4GemvConfig fields put over every config the int4 GEMV picks "
+                        "(not the dot configs), e.g. 'splits_sum=last,x_in_kernel=True': an "
+                        "A/B of GEMV modes inside the engine (compiled into a cache of its own)")
+
+
+def override_gemv(text: str) -> str:
+    """Makes the int4 GEMV put ``text``'s fields over every (non-dot) config it picks; returns
+    a compile-cache directory for these programs (the engine's executable cache keys on the
+    model and engine, not on a patched kernel config)."""
+    import dataclasses
+
+    from jaxllm.benchmarks.kernel_sass import config_fields
+    from jaxllm.pallas_kernels.quantized_matmul import gemv
+
+    fields = config_fields(text)
+    pick = gemv.gemv_config
+
+    def patched(m: int, k: int, n: int, group_size: int):
+        config = pick(m, k, n, group_size)
+        return config if config.dot else dataclasses.replace(config, **fields)
+
+    gemv.gemv_config = patched
+    tag = re.sub(r"[^A-Za-z0-9_]+", "-", text).strip("-")
+    return os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", f"xla-gemv-{tag}")
 
 
 def _busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
@@ -128,6 +153,8 @@ def run(args) -> None:
     from jaxllm.benchmarks.throughput import _requests, load_jax_model
 
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.gemv_overrides:
+        args.compilation_cache_dir = override_gemv(args.gemv_overrides)
     model = load_jax_model(args)
     requests = _requests(args, model.config)
     engine = make_engine(model, args)

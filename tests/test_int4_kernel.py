@@ -365,3 +365,23 @@ def test_dummy_int4_weights_are_packed_and_generate(method):
                           max_new_tokens=2, block_size=4)
     assert out.tokens.shape == (1, 2)
     assert np.all((np.asarray(out.tokens) >= 0) & (np.asarray(out.tokens) < cfg.vocab_size))
+
+
+def test_step_profiles_gemv_overrides_reach_the_gemv_pick_and_its_own_cache(monkeypatch):
+    """``step_profile --gemv-overrides``: every non-dot GEMV config the engine's kernels pick
+    gets the fields (strings too), the dot configs stay, and the programs compile into a cache
+    directory of their own (the executable cache would hand back the unpatched programs)."""
+    from jaxllm.benchmarks.step_profile import override_gemv
+    from jaxllm.pallas_kernels.quantized_matmul import gemv
+
+    monkeypatch.setattr(gemv, "gemv_config", gemv.gemv_config)  # undone after the test
+    cache = override_gemv("splits_sum=last,x_in_kernel=True")
+    picked = gemv.gemv_config(1, 4096, 6144, 128)  # Llama-3-8B qkv at one token
+    assert (picked.splits_sum, picked.x_in_kernel) == ("last", True)
+    assert gemv.gemv_config(16, 4096, 6144, 128).dot  # the dot keeps its own config
+    assert cache.endswith("xla-gemv-splits_sum-last-x_in_kernel-True")
+    w = int4_weight(K, N, 128, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, K)), jnp.float32)
+    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=128, interpret=True)
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
+    assert_close(got, want, x, w, scale_on_output=True)
