@@ -10,8 +10,8 @@ Usage (repo root, on the GPU machine)::
    32/8 and 32/32, head dim 128, block 16, bf16: our kernel, the XLA reference and JAX's own
    deprecated Triton kernel (``jax.experimental.pallas.ops.gpu.paged_attention``, on a
    head-major copy of the pool). Bandwidth = bytes of K and V read / time.
-3. Prefill: one sequence, chunks of 512 / 2048 tokens over 0 / 2k / 8k cached tokens, 32/8
-   heads: tokens/s and TFLOP/s (4 * Hq * D per valid query-key pair).
+3. Prefill (``kernels_prefill.py``): one sequence, chunks of 512 / 2048 tokens over 0 / 2k / 8k
+   cached tokens, 32/8 heads: tokens/s and TFLOP/s (4 * Hq * D per valid query-key pair).
 
 Timing: one jitted program holds N independent calls (different queries; the pool has enough
 layers that a call's K/V are cold in the 60 MB L2), is run after a warm-up, and the median of
@@ -34,11 +34,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxllm.benchmarks.kernels_prefill import bench_prefill_points, print_prefill_table
 from jaxllm.pallas_kernels.paged_attention import (
     DecodeConfig,
-    PrefillConfig,
     paged_attention_decode,
-    paged_attention_prefill,
     paged_attention_reference,
 )
 from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
@@ -276,51 +275,6 @@ def sweep_decode(points, deadline) -> dict:
     return out
 
 
-def _prefill_name(c: PrefillConfig) -> str:
-    return (f"q{c.block_q_rows}_kv{c.block_kv}_w{c.num_warps}_s{c.num_stages}"
-            + ("_heavy" if c.heavy_first else ""))
-
-
-# Every field spelled out: a name stays true when the defaults change.
-PREFILL_SWEEP = {_prefill_name(c): c for c in [
-    PrefillConfig(block_q_rows=q, block_kv=kv, num_warps=w, num_stages=s, heavy_first=h)
-    for q, kv, w, s, h in [
-        (128, 64, 8, 3, False), (128, 64, 4, 3, False), (64, 64, 4, 3, False),
-        (128, 128, 8, 2, False), (128, 128, 8, 2, True), (128, 32, 4, 4, False),
-        (256, 64, 8, 3, False), (128, 128, 8, 3, False), (128, 128, 4, 2, False),
-        (256, 128, 8, 2, False), (64, 128, 4, 3, False), (128, 128, 8, 4, False),
-        (128, 128, 8, 3, True)]]}
-
-
-def bench_prefill(chunk: int, cached: int, impls: dict) -> dict:
-    h = HEAD_SHAPES[PLAN.heads[0]]
-    total = chunk + cached
-    pages = -(-total // BLOCK)
-    shape = (1, pages + 1, BLOCK, h.num_kv_heads, h.head_dim)
-    k, v = pseudo_random(shape, 0.1), pseudo_random(shape, 0.2)
-    tables = jnp.asarray(1 + np.random.default_rng(0).permutation(pages)[None], jnp.int32)
-    seq_lens = jnp.array([total], jnp.int32)
-    starts = jnp.array([0, chunk], jnp.int32)
-    positions = jnp.arange(cached, total, dtype=jnp.int32)
-    pairs = sum(cached + i + 1 for i in range(chunk))
-    flops = 4 * h.num_q_heads * h.head_dim * pairs
-    result = {"chunk": chunk, "cached": cached, "GFLOP": flops / 1e9}
-    for name, fn in impls.items():
-        # One reference call a program: XLA merges the dots of calls that share K and V.
-        num_calls = 1 if name == "reference" else min(PLAN.max_calls, 8)
-        q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
-        call = lambda i, q, k, v, fn=fn: fn(q[i], k, v, 0, tables, seq_lens, starts, positions,
-                                            scale=h.head_dim ** -0.5)
-        try:
-            sec = time_per_call(call, num_calls, (q_all, k, v))
-            result[name] = {"us": sec * 1e6, "tokens_per_s": chunk / sec,
-                            "TFLOPs": flops / sec / 1e12}
-        except Exception as e:  # noqa: BLE001
-            result[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
-        print(f"  prefill chunk {chunk} cached {cached} {name}: {result[name]}", flush=True)
-    return result
-
-
 def main() -> int:
     global PLAN
     parser = argparse.ArgumentParser()
@@ -390,37 +344,14 @@ def main() -> int:
                 save()
 
     results["prefill"] = []
-    default = {"pallas": PrefillConfig()}  # bf16 pages: what the engine runs
-    best = "" if args.no_prefill_sweep else None
-    first_chunk = PLAN.prefill_points[0][0] if PLAN.prefill_points else 0
-    for chunk, cached in PLAN.prefill_points:
-        if best is None and (chunk != first_chunk or time.time() > start + args.budget_s):
-            rows = [r for r in results["prefill"] if r["chunk"] == first_chunk]
-            best = pick_best_prefill(rows)
-        configs = ({f"pallas_{n}": c for n, c in PREFILL_SWEEP.items()} if best is None
-                   else default | ({f"pallas_{best}": PREFILL_SWEEP[best]} if best else {}))
-        impls_here = {n: (lambda *a, c=c, **kw: paged_attention_prefill(
-            *a, config=c, interpret=PLAN.interpret, **kw)) for n, c in configs.items()}
-        if not args.no_prefill_reference and time.time() < start + args.budget_s + 60:
-            impls_here["reference"] = paged_attention_reference
-        results["prefill"].append(bench_prefill(chunk, cached, impls_here))
-        save()
-    results["prefill_tuned"] = best
+    results["prefill_tuned"] = bench_prefill_points(
+        PLAN, results["prefill"], save, deadline=start + args.budget_s,
+        sweep=not args.no_prefill_sweep, with_reference=not args.no_prefill_reference,
+        block=BLOCK, pseudo_random=pseudo_random, time_per_call=time_per_call)
     results["wall_s"] = time.time() - start
     save()
     print_table(results)
     return 0
-
-
-def pick_best_prefill(rows: list[dict]) -> str | None:
-    scores: dict[str, list[float]] = {}
-    for r in rows:
-        for name, v in r.items():
-            if name.startswith("pallas_") and isinstance(v, dict):
-                scores.setdefault(name[len("pallas_"):], []).append(v["TFLOPs"])
-    if not scores:
-        return None
-    return max(scores, key=lambda n: statistics.mean(scores[n]))
 
 
 def pick_tuned(sweep: dict) -> str | None:
@@ -454,16 +385,7 @@ def print_table(results: dict) -> None:
         cells = [f"{fmt(r.get(n))} ({100 * r[n]['TBps'] / copy:.0f}%)" if isinstance(
             r.get(n), dict) else "-" for n in names]
         print(f"{r['heads']:>10} {r['batch']:>4} {r['context']:>5} | " + " | ".join(cells))
-    print("prefill: chunk cached | best pallas config TFLOP/s, tokens/s | default | reference")
-    for r in results["prefill"]:
-        ours = {k: v for k, v in r.items() if isinstance(v, dict) and k.startswith("pallas")}
-        best = max(ours, key=lambda k: ours[k]["TFLOPs"]) if ours else None
-        ref = r.get("reference")
-        print(f"{r['chunk']:>5} {r['cached']:>5} | "
-              + (f"{best} {ours[best]['TFLOPs']:.0f}, {ours[best]['tokens_per_s']:.3g}"
-                 if best else "-")
-              + f" | {fmt(r.get('pallas', r.get('pallas_q128_kv128_w8_s2')), 'TFLOPs')}"
-              + f" | {fmt(ref, 'TFLOPs')}")
+    print_prefill_table(results["prefill"])
 
 
 if __name__ == "__main__":
