@@ -1,0 +1,288 @@
+"""Paged prefill attention for Hopper in Pallas' Mosaic GPU backend (TMA, wgmma, warpgroups).
+
+Same contract as :func:`paged_attention_prefill` (no sliding window, 2-byte pools). A program
+owns one query head and 2 x block_q consecutive tokens of one sequence (a query block of
+:func:`query_blocks`); three warpgroups run it:
+
+    wg 0, 1   compute: rows [w block_q, (w + 1) block_q) of the block; S = Q K^T and O += P V
+              with wgmma, online softmax in registers; keys below every row's position
+              unmasked, the rest under the causal mask
+    wg 2      memory: each step's block_kv keys as block_kv / page_size page copies (TMA) per
+              K and V into a ring of max_concurrent_steps slots, a slot refilled once both
+              compute warpgroups have consumed it
+
+Query blocks are gathered into [QB, 2 block_q, Hq, D] and the output scattered back by XLA
+(a copy of q and of the output: ~16 MiB each for 2k tokens of Llama-3-8B), so every TMA box is
+whole and no program writes another's rows. QB counts a block for every sequence slot, so a
+step of many sequences stages far more than its tokens: the engine's mixed steps (decodes to
+the decode kernel) need q read in place and ragged output stores first.
+
+Status: lowered on CPU only (tests/test_prefill_hopper.py); not compiled or run on a GPU yet,
+and not used by the engine. Issue 17's evidence for it: JAX's own Mosaic GPU attention reached
+71-82% of the H200's matmul rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37%
+(benchmarks/RESULTS.md, 2026-12-03). Pages and page tails past a sequence's length must hold
+finite values (whole pages are read; masked keys have p = 0, but 0 x NaN is NaN): the engine's
+pools are zero-initialized and only hold written K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from . import common
+from .prefill import query_blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperPrefillConfig:
+    block_q: int = 64  # rows per compute warpgroup (a program: 2 x block_q tokens)
+    block_kv: int = 128  # keys per step: whole pages
+    max_concurrent_steps: int = 2  # K/V slots in flight
+
+    def __post_init__(self):
+        if self.block_q % 64 or self.block_kv % 64:
+            raise ValueError(f"block_q={self.block_q} and block_kv={self.block_kv} must be "
+                             "multiples of 64 (wgmma tiles)")
+        if self.max_concurrent_steps < 2:  # one slot: the two warpgroups would deadlock
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+
+
+def unsupported(q: jax.Array, k_pool: jax.Array, sliding_window: int | None,
+                config: HopperPrefillConfig) -> str | None:
+    """Why the kernel cannot take these operands (None: it can)."""
+    *_, block_size, _, head_dim = k_pool.shape
+    if sliding_window is not None:
+        return "sliding windows are not supported"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pool.dtype != q.dtype:
+        return f"q {q.dtype} and pool {k_pool.dtype} must be one 2-byte float dtype"
+    if head_dim % 64:
+        return f"head_dim={head_dim} must be a multiple of 64"
+    if config.block_kv % block_size or block_size % 8:
+        return (f"block_kv={config.block_kv} must be whole pages of {block_size} tokens, "
+                "pages a multiple of 8")
+    return None
+
+
+def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale_log2: float,
+            block_q: int, block_kv: int, block_size: int, steps_in_flight: int, group: int,
+            table_width: int):
+    head = lax.axis_index("heads")
+    blk = lax.axis_index("blocks")
+    wg = lax.axis_index("wg")
+    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
+    pages_per_step = block_kv // block_size
+    head_dim = q_ref.shape[-1]
+    dtype = q_ref.dtype
+
+    pos0 = meta_ref[blk, 0]  # position of the block's first token
+    kv_len = meta_ref[blk, 1]  # keys its last real row sees (0: a block of padding)
+    block_steps = pl.cdiv(kv_len, jnp.int32(block_kv))
+
+    def take_turn():  # the two compute warpgroups take the tensor cores in turn
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        row0 = wg * block_q  # the warpgroup's first row within the block
+        plgpu.copy_gmem_to_smem(q_ref.at[blk, pl.ds(row0, block_q), head], qo_smem,
+                                q_ready.at[wg])
+        # Keys this warpgroup's rows see: up to its last row's position, within the block's.
+        wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
+        steps = jnp.where(kv_len > 0, pl.cdiv(wg_keys, jnp.int32(block_kv)), 0)
+        # Keys every row sees (at or below its first row's position) need no mask.
+        unmasked = jnp.minimum(lax.div(pos0 + row0 + 1, jnp.int32(block_kv)), steps)
+        plgpu.barrier_wait(q_ready.at[wg])
+
+        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+
+        @pl.when(wg == 1)
+        def _():
+            take_turn()
+
+        def kv_step(step, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            plgpu.barrier_wait(k_ready.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                take_turn()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            s = s * scale_log2
+            if masked:
+                rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                              layout=plgpu.Layout.WGMMA)
+                keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                              layout=plgpu.Layout.WGMMA)
+                s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            plgpu.barrier_wait(v_ready.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(0, unmasked, functools.partial(kv_step, masked=False),
+                              (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(kv_step, masked=True),
+                                      carry)
+
+        def drain(step, _):
+            # Steps only the other warpgroup needs: each is waited for before it is released,
+            # so that a release never counts towards a slot's earlier fill (the memory
+            # warpgroup would overwrite a slot still being read).
+            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            plgpu.barrier_wait(k_ready.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_ready.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            take_turn()
+
+        lax.fori_loop(steps, block_steps, drain, None)
+
+        @pl.when(wg == 0)
+        def _():
+            take_turn()
+
+        # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
+        inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
+        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[blk, pl.ds(row0, block_q), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
+
+        def load(step, slot):
+            for i in range(pages_per_step):
+                column = jnp.minimum(step * pages_per_step + i, table_width - 1)
+                page = tables_ref[blk, column]
+                rows = pl.ds(i * block_size, block_size)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows],
+                                        k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows],
+                                        v_ready.at[slot])
+
+        for s in range(steps_in_flight):
+            pl.when(s < block_steps)(functools.partial(load, s, s))
+
+        @pl.loop(steps_in_flight, jnp.maximum(block_steps, steps_in_flight))
+        def _(step):
+            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+            load(step, slot)
+
+
+def paged_attention_prefill_hopper(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    v_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
+    layer: jax.Array | int,  # i32[]
+    block_tables: jax.Array,  # i32[S, W]
+    seq_lens: jax.Array,  # i32[S]
+    query_start_loc: jax.Array,  # i32[S + 1]
+    positions: jax.Array,  # i32[T]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    config: HopperPrefillConfig | None = None,
+) -> jax.Array:  # [T, Hq, D] in q.dtype
+    """Same contract as :func:`paged_attention_reference` for prefill chunks (a decode token
+    is a chunk of one); raises ValueError for operands :func:`unsupported` names."""
+    common.check_shapes(q, k_pool, v_pool)
+    config = config or HopperPrefillConfig()
+    reason = unsupported(q, k_pool, sliding_window, config)
+    if reason is not None:
+        raise ValueError(reason)
+    num_tokens, num_q_heads, head_dim = q.shape
+    layers, num_pages, block_size, num_kv_heads, _ = k_pool.shape
+    num_seqs, table_width = block_tables.shape
+    rows = 2 * config.block_q
+    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, rows)  # [QB] each
+    num_blocks = bseq.shape[0]
+    token = bt0[:, None] + jnp.arange(rows, dtype=jnp.int32)  # [QB, rows]
+    real = token < bt1[:, None]
+    q_blocks = q[jnp.clip(token, 0, num_tokens - 1)]  # [QB, rows, Hq, D]
+    first = jnp.clip(bt0, 0, num_tokens - 1)
+    pos0 = positions[first]
+    seq = jnp.minimum(bseq, num_seqs - 1)
+    last = pos0 + jnp.maximum(bt1 - bt0, 0)  # the block's last real row's position + 1
+    kv_len = jnp.where((bseq < num_seqs) & (bt1 > bt0), jnp.minimum(seq_lens[seq], last), 0)
+    meta = jnp.stack([pos0, kv_len], axis=1).astype(jnp.int32)  # [QB, 2]
+    layer = jnp.asarray(layer, jnp.int32)
+    tables = block_tables[seq].astype(jnp.int32) + layer * num_pages  # [QB, W] flat page ids
+    flat = lambda pool: pool.reshape(layers * num_pages, block_size, num_kv_heads, head_dim)
+
+    steps_in_flight = config.max_concurrent_steps
+    pages_per_step = config.block_kv // block_size
+    tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def entry(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref):
+        buffers = (
+            plgpu.SMEM((2, config.block_q, head_dim), q.dtype, transforms=tiling),
+            plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
+                       transforms=tiling),
+            plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
+                       transforms=tiling),
+        )
+        ready = (plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
+                 plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
+                 plgpu.Barrier(num_barriers=2))
+        free = (plgpu.Barrier(num_arrivals=2, num_barriers=steps_in_flight),) * 2
+        pl.run_scoped(
+            lambda *scoped: _kernel(
+                meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped,
+                scale_log2=scale * common.LOG2E, block_q=config.block_q,
+                block_kv=config.block_kv, block_size=block_size,
+                steps_in_flight=steps_in_flight, group=num_q_heads // num_kv_heads,
+                table_width=table_width),
+            buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+
+    out_blocks = plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        grid=(num_q_heads, num_blocks),
+        grid_names=("heads", "blocks"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(meta, tables, q_blocks, flat(k_pool), flat(v_pool))
+    # Each real token is one row of one block: scatter the block rows back to tokens.
+    owner = jnp.zeros((num_tokens,), jnp.int32).at[jnp.where(real, token, num_tokens)].set(
+        jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32)[:, None], token.shape),
+        mode="drop")
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    out = out_blocks[owner, tokens - bt0[owner]]  # [T, Hq, D]
+    padding = tokens >= query_start_loc[-1]
+    return jnp.where(padding[:, None, None], jnp.zeros((), q.dtype), out)

@@ -1,0 +1,121 @@
+"""The Hopper (Mosaic GPU) paged prefill kernel against the float32 reference.
+
+Its wgmma and TMA have no interpreter on CPU (JAX's GPU interpreter refuses the wgmma
+effects), so on CPU the kernel is only lowered for an H200 (its Mosaic GPU module built, the
+layouts and copies checked by the lowering); the numerical checks run on a GPU.
+
+The kernel reads whole pages, page tails past a sequence's length included, and needs them
+finite (the engine's pools are zero-initialized and only hold written K/V): the cases here
+replace the NaN that ``make_case`` puts there with large finite values, which still show any
+key the mask lets through.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxllm.pallas_kernels.paged_attention import paged_attention_reference
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
+    HopperPrefillConfig,
+    paged_attention_prefill_hopper,
+    unsupported,
+)
+from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
+from paged_attention_cases import TOLERANCES, decode_chunks, make_case
+
+ON_GPU = jax.default_backend() == "gpu"
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+# Prompt chunks over cached prefixes, decodes, a 1023-token prefill; and the issue's shape.
+MIXED_CHUNKS = [(0, 1), (16, 1), (0, 17), (15, 3), (510, 3), (0, 513), (1000, 23), (1022, 1)]
+
+
+def finite_case(chunks, heads: str, block_size: int, dtype):
+    h = HEAD_SHAPES[heads]
+    case = make_case(chunks, block_size=block_size, num_q_heads=h.num_q_heads,
+                     num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=dtype)
+    q, k, v, *rest = case.args
+    loud = lambda x: jnp.where(jnp.isnan(x), jnp.asarray(300.0, x.dtype), x)
+    case.args = (q, loud(k), loud(v), *rest)
+    return case
+
+
+def check(case, dtype, config=None):
+    kernel = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=case.scale,
+                                       config=config))
+    out = np.asarray(kernel(*case.args), np.float32)
+    ref = np.asarray(paged_attention_reference(*case.args, scale=case.scale), np.float32)
+    n = case.num_real_tokens
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    np.testing.assert_allclose(out[:n], ref[:n], **TOLERANCES[dtype])
+    np.testing.assert_array_equal(out[n:], 0.0)  # padding tokens: 0
+    rel = np.linalg.norm(out[:n] - ref[:n]) / np.linalg.norm(ref[:n])
+    assert rel < 1e-2, rel
+
+
+def test_config_and_operands_the_kernel_cannot_take_are_named():
+    with pytest.raises(ValueError, match="multiples of 64"):
+        HopperPrefillConfig(block_q=32)
+    with pytest.raises(ValueError, match=">= 2"):
+        HopperPrefillConfig(max_concurrent_steps=1)
+    config = HopperPrefillConfig()
+    q = jnp.zeros((4, 32, 128), jnp.bfloat16)
+    pool = jnp.zeros((1, 4, 16, 8, 128), jnp.bfloat16)
+    assert unsupported(q, pool, None, config) is None
+    assert "sliding" in unsupported(q, pool, 64, config)
+    assert "2-byte" in unsupported(q, pool.astype(jnp.float8_e4m3fn), None, config)
+    assert "2-byte" in unsupported(q.astype(jnp.float32), pool.astype(jnp.float32), None, config)
+    assert "head_dim" in unsupported(q[..., :96], pool[..., :96], None, config)
+    assert "whole pages" in unsupported(q, jnp.zeros((1, 4, 48, 8, 128), jnp.bfloat16), None,
+                                        config)
+    with pytest.raises(ValueError, match="sliding"):
+        case = finite_case([(0, 5)], "llama3_8b", 16, jnp.bfloat16)
+        paged_attention_prefill_hopper(*case.args, scale=case.scale, sliding_window=8)
+
+
+@pytest.mark.parametrize("heads", ["llama3_8b", "llama2_7b"])
+def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
+    """The whole kernel (warpgroups, TMA page copies, wgmma, barriers) lowered for sm_90a on
+    a machine without a GPU: what the CPU can check before a GPU compiles it."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h = HEAD_SHAPES[heads]
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    pool = jax.ShapeDtypeStruct((2, 300, 16, h.num_kv_heads, h.head_dim), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((2048, h.num_q_heads, h.head_dim), jnp.bfloat16), pool, pool,
+            i32(), i32(4, 128), i32(4), i32(5), i32(2048))
+    h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
+    with jax.sharding.use_abstract_mesh(h200):
+        traced = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=0.1)).trace(
+            *args)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+@pytest.mark.gpu
+@gpu_only
+class TestHopperPrefillGPU:
+    @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+    @pytest.mark.parametrize("block_size", [16, 32])
+    def test_mixed_chunks(self, dtype, block_size):
+        check(finite_case(MIXED_CHUNKS, "llama3_8b", block_size, dtype), dtype)
+
+    def test_mha_heads_and_decodes(self):
+        case = finite_case(decode_chunks([1, 40, 513]) + [(0, 300), (64, 130)], "llama2_7b", 16,
+                           jnp.bfloat16)
+        check(case, jnp.bfloat16)
+
+    @pytest.mark.parametrize("cached", [0, 2048, 8000])
+    def test_long_chunk_over_cached_tokens(self, cached):
+        check(finite_case([(cached, 2048)], "llama3_8b", 16, jnp.bfloat16), jnp.bfloat16)
+
+    @pytest.mark.parametrize("config", [
+        dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128),
+        dict(max_concurrent_steps=3)])
+    def test_configs(self, config):
+        case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
+        check(case, jnp.bfloat16, HopperPrefillConfig(**config))
