@@ -289,6 +289,8 @@ def main() -> int:
     parser.add_argument("--no-jax", action="store_true", help="skip JAX's own Triton kernel")
     parser.add_argument("--no-prefill-sweep", action="store_true")
     parser.add_argument("--no-prefill-reference", action="store_true")
+    parser.add_argument("--hopper", action="store_true",
+                        help="also the Mosaic GPU prefill kernel (prefill_hopper; GPU only)")
     parser.add_argument("--no-prefill", action="store_true", help="decode only")
     parser.add_argument("--heads", default=None,
                         help=f"comma-separated subset of the decode head shapes {PLAN.heads}")
@@ -347,6 +349,7 @@ def main() -> int:
     results["prefill_tuned"] = bench_prefill_points(
         PLAN, results["prefill"], save, deadline=start + args.budget_s,
         sweep=not args.no_prefill_sweep, with_reference=not args.no_prefill_reference,
+        with_hopper=args.hopper and not PLAN.interpret,
         block=BLOCK, pseudo_random=pseudo_random, time_per_call=time_per_call)
     results["wall_s"] = time.time() - start
     save()

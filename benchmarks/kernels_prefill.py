@@ -22,6 +22,7 @@ from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_reference,
 )
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
 from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
 
 
@@ -75,12 +76,14 @@ def bench_prefill(chunk: int, cached: int, impls: dict, *, plan, block: int,
 
 def bench_prefill_points(plan, rows: list[dict], save: Callable[[], None], *, deadline: float,
                          sweep: bool, with_reference: bool, block: int,
-                         pseudo_random: Callable, time_per_call: Callable) -> str | None:
+                         pseudo_random: Callable, time_per_call: Callable,
+                         with_hopper: bool = False) -> str | None:
     """A row per ``plan.prefill_points``, appended to ``rows`` and saved one by one. With
     ``sweep``, the points of the first chunk size run every config of PREFILL_SWEEP, and the rest
     only the default and the best of those; past ``deadline`` the sweep stops (and the reference,
-    a minute later). Returns the best config's name ("" with
-    no sweep; None when the sweep ran but timed nothing)."""
+    a minute later). ``with_hopper`` adds the Mosaic GPU kernel (prefill_hopper), last in
+    each row. Returns the best config's name ("" with no sweep; None when the sweep ran but
+    timed nothing)."""
     default = {"pallas": PrefillConfig()}  # bf16 pages: what the engine runs
     best = None if sweep else ""
     first_chunk = plan.prefill_points[0][0] if plan.prefill_points else 0
@@ -93,6 +96,8 @@ def bench_prefill_points(plan, rows: list[dict], save: Callable[[], None], *, de
             *a, config=c, interpret=plan.interpret, **kw)) for n, c in configs.items()}
         if with_reference and time.time() < deadline + 60:
             impls["reference"] = paged_attention_reference
+        if with_hopper:
+            impls["hopper"] = paged_attention_prefill_hopper
         rows.append(bench_prefill(chunk, cached, impls, plan=plan, block=block,
                                   pseudo_random=pseudo_random, time_per_call=time_per_call))
         save()
@@ -115,7 +120,8 @@ def _tflops(r) -> str:
 
 
 def print_prefill_table(rows: list[dict]) -> None:
-    print("prefill: chunk cached | best pallas config TFLOP/s, tokens/s | default | reference")
+    print("prefill: chunk cached | best pallas config TFLOP/s, tokens/s | default | reference"
+          " | hopper")
     for r in rows:
         ours = {k: v for k, v in r.items() if isinstance(v, dict) and k.startswith("pallas")}
         best = max(ours, key=lambda k: ours[k]["TFLOPs"]) if ours else None
@@ -124,4 +130,4 @@ def print_prefill_table(rows: list[dict]) -> None:
               + (f"{best} {ours[best]['TFLOPs']:.0f}, {ours[best]['tokens_per_s']:.3g}"
                  if best else "-")
               + f" | {_tflops(r.get('pallas', r.get('pallas_q128_kv128_w8_s2')))}"
-              + f" | {_tflops(ref)}")
+              + f" | {_tflops(ref)} | {_tflops(r.get('hopper'))}")
