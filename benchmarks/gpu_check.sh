@@ -25,7 +25,8 @@ cat "$OUT/env.txt"
 
 if [[ $MODE == tests || $MODE == all ]]; then
   start=$(date +%s)
-  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest tests/test_paged_attention_kernels.py -m gpu \
+  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest tests/test_paged_attention_kernels.py \
+    tests/test_paged_attention_generation.py -m gpu \
     -p no:cacheprovider -W ignore::DeprecationWarning -rA -s 2>&1 > "$OUT/pytest_gpu.log"
   echo "pytest rc=$? in $(( $(date +%s) - start )) s"
   grep -E "passed|failed|PASSED|FAILED|Error|of tokens equal" "$OUT/pytest_gpu.log" | tail -25

@@ -26,7 +26,8 @@ steps() {
   # shellcheck disable=SC2086
   {
     step g0_kernel_tests 60 170 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-      tests/test_paged_attention_kernels.py tests/test_kv_cache_fp8.py \
+      tests/test_paged_attention_kernels.py tests/test_paged_attention_generation.py \
+      tests/test_kv_cache_fp8.py \
       -k "long_chunks or engine_sized_step or generate_on_gpu or decode_batch or fp8"
     if [ -f "$DIR/failed" ]; then echo "kernel tests failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi
     step k1_kernels 90 200 $PY $KERNELS --budget-s 120 --no-prefill-reference --out "$DIR/k1_kernels.json"

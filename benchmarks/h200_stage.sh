@@ -49,7 +49,8 @@ case $STAGE in
         | grep -v "^WARNING\|^I0000" | tail -12
     done ;;
   kernel-tests)
-    timeout "$LIMIT" $PY -m pytest tests/test_paged_attention_kernels.py -m gpu \
+    timeout "$LIMIT" $PY -m pytest tests/test_paged_attention_kernels.py \
+      tests/test_paged_attention_generation.py -m gpu \
       -p no:cacheprovider -W ignore::DeprecationWarning -rA "$@" > "$OUT/pytest_gpu.log" 2>&1
     echo "pytest rc=$?"
     grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$OUT/pytest_gpu.log" | tail -40 ;;
