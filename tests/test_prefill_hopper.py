@@ -1,8 +1,9 @@
 """The Hopper (Mosaic GPU) paged prefill kernel against the float32 reference.
 
-Its wgmma and TMA have no interpreter on CPU (JAX's GPU interpreter refuses the wgmma
-effects), so on CPU the kernel is only lowered for an H200 (its Mosaic GPU module built, the
-layouts and copies checked by the lowering); the numerical checks run on a GPU.
+On CPU, JAX's GPU interpreter runs the kernel's warpgroups, barriers and TMA page copies as
+written, with its two products as register dots (the interpreter has no wgmma), and the
+kernel is lowered for an H200 (its Mosaic GPU module built with the wgmma path); compiled, it
+runs on a GPU only.
 
 The kernel reads whole pages, page tails past a sequence's length included, and needs them
 finite (the engine's pools are zero-initialized and only hold written K/V): the cases here
@@ -43,9 +44,10 @@ def finite_case(chunks, heads: str, block_size: int, dtype):
     return case
 
 
-def check(case, dtype, config=None):
-    kernel = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=case.scale,
-                                       config=config))
+def check(case, dtype, config=None, interpret=False):
+    kernel = functools.partial(paged_attention_prefill_hopper, scale=case.scale, config=config,
+                               interpret=interpret)
+    kernel = kernel if interpret else jax.jit(kernel)
     out = np.asarray(kernel(*case.args), np.float32)
     ref = np.asarray(paged_attention_reference(*case.args, scale=case.scale), np.float32)
     n = case.num_real_tokens
@@ -94,6 +96,33 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
             *args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+# SmolLM2's heads (9 / 3 of 64: few programs to interpret); 64-key steps, so that these
+# sequences take several steps: slots refilled, and a fresh 128-token prompt whose first
+# warpgroup needs one step where the second needs two (the first releases the other's).
+INTERPRETED = [([(0, 5), (20, 70)], jnp.float16), ([(0, 128), (260, 70)], jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(("chunks", "dtype"), INTERPRETED)
+def test_interpreted_kernel_equals_reference(chunks, dtype):
+    check(finite_case(chunks, "smollm2_135m", 16, dtype), dtype,
+          HopperPrefillConfig(block_kv=64), interpret=True)
+
+
+def test_interpreter_finds_no_race_where_no_slot_is_refilled():
+    """JAX's race detector over the barriers (q, K/V ready, the warpgroups' turns, the output
+    store). Where slots are refilled it reports the refill's TMA write against the earlier
+    step's read even in a plain one-consumer ring (its async copies do not inherit the
+    issuing warpgroup's wait; a synchronous store in the same ring is clean), so the case is
+    one with at most max_concurrent_steps steps."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    case = finite_case([(0, 5), (20, 70)], "smollm2_135m", 16, jnp.float16)
+    check(case, jnp.float16, HopperPrefillConfig(block_kv=64),
+          interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not get_races().races_found
 
 
 @pytest.mark.gpu

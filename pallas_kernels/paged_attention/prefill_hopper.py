@@ -17,8 +17,9 @@ whole and no program writes another's rows. QB counts a block for every sequence
 step of many sequences stages far more than its tokens: the engine's mixed steps (decodes to
 the decode kernel) need q read in place and ragged output stores first.
 
-Status: lowered on CPU only (tests/test_prefill_hopper.py); not compiled or run on a GPU yet,
-and not used by the engine. Issue 17's evidence for it: JAX's own Mosaic GPU attention reached
+Status (tests/test_prefill_hopper.py): lowered for an H200 on CPU, and run against the
+reference by JAX's GPU interpreter on CPU (warpgroups, barriers and page copies as written, the
+two products as register dots); not compiled or run on a GPU yet, not used by the engine. Issue 17's evidence for it: JAX's own Mosaic GPU attention reached
 71-82% of the H200's matmul rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37%
 (benchmarks/RESULTS.md, 2026-12-03). Pages and page tails past a sequence's length must hold
 finite values (whole pages are read; masked keys have p = 0, but 0 x NaN is NaN): the engine's
@@ -72,7 +73,7 @@ def unsupported(q: jax.Array, k_pool: jax.Array, sliding_window: int | None,
 
 def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale_log2: float,
             block_q: int, block_kv: int, block_size: int, steps_in_flight: int, group: int,
-            table_width: int):
+            table_width: int, interpret: bool):
     head = lax.axis_index("heads")
     blk = lax.axis_index("blocks")
     wg = lax.axis_index("wg")
@@ -124,7 +125,12 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
                 take_turn()
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+            if interpret:  # JAX's GPU interpreter has no wgmma: the same product in registers
+                s = jnp.dot(qo_smem[...], k_smem.at[slot][...].T,
+                            preferred_element_type=jnp.float32)
+                take_turn()
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_free.at[slot])
             s = s * scale_log2
             if masked:
@@ -144,7 +150,11 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            if interpret:
+                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                    preferred_element_type=jnp.float32)
+            else:
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
@@ -203,6 +213,14 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
             plgpu.barrier_wait(v_free.at[slot])
             load(step, slot)
 
+        # The last fills' releases too: a barrier left with phases its waiter never saw is
+        # what JAX's GPU interpreter refuses at its deallocation.
+        @pl.loop(jnp.maximum(block_steps - steps_in_flight, 0), block_steps)
+        def _(step):
+            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
 
 def paged_attention_prefill_hopper(
     q: jax.Array,  # [T, Hq, D]
@@ -217,9 +235,13 @@ def paged_attention_prefill_hopper(
     scale: float,
     sliding_window: int | None = None,
     config: HopperPrefillConfig | None = None,
+    interpret: bool | plgpu.InterpretGPUParams = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype
     """Same contract as :func:`paged_attention_reference` for prefill chunks (a decode token
-    is a chunk of one); raises ValueError for operands :func:`unsupported` names."""
+    is a chunk of one); raises ValueError for operands :func:`unsupported` names.
+    ``interpret`` (True, or the interpreter's params, e.g. with its race detector): JAX's GPU
+    interpreter (CPU) runs the warpgroups, barriers and page copies as written, the two
+    products as register dots (it has no wgmma)."""
     common.check_shapes(q, k_pool, v_pool)
     config = config or HopperPrefillConfig()
     reason = unsupported(q, k_pool, sliding_window, config)
@@ -266,7 +288,7 @@ def paged_attention_prefill_hopper(
                 scale_log2=scale * common.LOG2E, block_q=config.block_q,
                 block_kv=config.block_kv, block_size=block_size,
                 steps_in_flight=steps_in_flight, group=num_q_heads // num_kv_heads,
-                table_width=table_width),
+                table_width=table_width, interpret=bool(interpret)),
             buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out_blocks = plgpu.kernel(
@@ -277,6 +299,8 @@ def paged_attention_prefill_hopper(
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
+           if interpret else {}),
     )(meta, tables, q_blocks, flat(k_pool), flat(v_pool))
     # Each real token is one row of one block: scatter the block rows back to tokens.
     owner = jnp.zeros((num_tokens,), jnp.int32).at[jnp.where(real, token, num_tokens)].set(
