@@ -110,6 +110,19 @@ def test_interpreted_kernel_equals_reference(chunks, dtype):
           HopperPrefillConfig(block_kv=64), interpret=True)
 
 
+def test_interpreted_kernel_leaves_single_token_rows_to_the_decode_kernel():
+    """``skip_single_token_seqs`` (the mixed step's split): the prompt rows equal the
+    reference's; no block, and no store, for the one-token sequences."""
+    case = finite_case([(16, 1), (0, 70), (300, 1)], "smollm2_135m", 16, jnp.float16)
+    out = paged_attention_prefill_hopper(*case.args, scale=case.scale, interpret=True,
+                                         config=HopperPrefillConfig(block_kv=64),
+                                         skip_single_token_seqs=True)
+    ref = paged_attention_reference(*case.args, scale=case.scale)
+    prompt = slice(1, 71)  # tokens 1..70: the 70-token prompt
+    np.testing.assert_allclose(np.asarray(out[prompt], np.float32),
+                               np.asarray(ref[prompt], np.float32), **TOLERANCES[jnp.float16])
+
+
 def test_interpreter_finds_no_race_where_no_slot_is_refilled():
     """JAX's race detector over the barriers (q, K/V ready, the warpgroups' turns, the output
     store). Where slots are refilled it reports the refill's TMA write against the earlier

@@ -11,19 +11,20 @@ owns one query head and 2 x block_q consecutive tokens of one sequence (a query 
               K and V into a ring of max_concurrent_steps slots, a slot refilled once both
               compute warpgroups have consumed it
 
-Query blocks are gathered into [QB, 2 block_q, Hq, D] and the output scattered back by XLA
-(a copy of q and of the output: ~16 MiB each for 2k tokens of Llama-3-8B), so every TMA box is
-whole and no program writes another's rows. QB counts a block for every sequence slot, so a
-step of many sequences stages far more than its tokens: the engine's mixed steps (decodes to
-the decode kernel) need q read in place and ragged output stores first.
+q is read in place (padded by one block's rows so that a block's box never leaves it) and
+each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
+ragged), so another sequence's rows are never written and memory stays proportional to the
+tokens. Blocks of no query (a sequence slot without one, or a decode skipped for the decode
+kernel) cost a program that waits for nothing and stores nothing.
 
 Status (tests/test_prefill_hopper.py): lowered for an H200 on CPU, and run against the
-reference by JAX's GPU interpreter on CPU (warpgroups, barriers and page copies as written, the
-two products as register dots); not compiled or run on a GPU yet, not used by the engine. Issue 17's evidence for it: JAX's own Mosaic GPU attention reached
-71-82% of the H200's matmul rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37%
-(benchmarks/RESULTS.md, 2026-12-03). Pages and page tails past a sequence's length must hold
-finite values (whole pages are read; masked keys have p = 0, but 0 x NaN is NaN): the engine's
-pools are zero-initialized and only hold written K/V.
+reference by JAX's GPU interpreter on CPU (warpgroups, barriers and page copies as written,
+the two products as register dots); not compiled or run on a GPU yet, not used by the engine.
+Issue 17's evidence for it: JAX's own Mosaic GPU attention reached 71-82% of the H200's matmul
+rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37% (benchmarks/RESULTS.md, 2026-12-03).
+Pages and page tails past a sequence's length must hold finite values (whole pages are read;
+masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
+hold written K/V.
 """
 
 from __future__ import annotations
@@ -77,13 +78,16 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
     head = lax.axis_index("heads")
     blk = lax.axis_index("blocks")
     wg = lax.axis_index("wg")
-    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
+    (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = \
+        scoped
     pages_per_step = block_kv // block_size
-    head_dim = q_ref.shape[-1]
+    head_dim = k_ref.shape[-1]
     dtype = q_ref.dtype
 
-    pos0 = meta_ref[blk, 0]  # position of the block's first token
-    kv_len = meta_ref[blk, 1]  # keys its last real row sees (0: a block of padding)
+    t0 = meta_ref[blk, 0]  # the block's first token
+    pos0 = meta_ref[blk, 1]  # its position
+    kv_len = meta_ref[blk, 2]  # keys its last row sees (0: padding, whose rows are 0)
+    num_rows = meta_ref[blk, 3]  # its tokens (0: nothing to store)
     block_steps = pl.cdiv(kv_len, jnp.int32(block_kv))
 
     def take_turn():  # the two compute warpgroups take the tensor cores in turn
@@ -93,16 +97,20 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        qo_smem = qo_smem2.at[wg]
         row0 = wg * block_q  # the warpgroup's first row within the block
-        plgpu.copy_gmem_to_smem(q_ref.at[blk, pl.ds(row0, block_q), head], qo_smem,
+        columns = pl.ds(head * head_dim, head_dim)  # q and the output are [T, Hq D]
+        # Into untiled shared memory (a tiled one needs the block's first token a multiple of
+        # 8), then registers: wgmma's A operand.
+        q_smem = q_smem2.at[wg]
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + row0, block_q), columns], q_smem,
                                 q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
         # Keys this warpgroup's rows see: up to its last row's position, within the block's.
         wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
         steps = jnp.where(kv_len > 0, pl.cdiv(wg_keys, jnp.int32(block_kv)), 0)
         # Keys every row sees (at or below its first row's position) need no mask.
         unmasked = jnp.minimum(lax.div(pos0 + row0 + 1, jnp.int32(block_kv)), steps)
-        plgpu.barrier_wait(q_ready.at[wg])
 
         m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                                 plgpu.Layout.WGMMA.reduce(1))
@@ -121,12 +129,12 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
                 take_turn()
                 return acc_ref[...]
 
             if interpret:  # JAX's GPU interpreter has no wgmma: the same product in registers
-                s = jnp.dot(qo_smem[...], k_smem.at[slot][...].T,
+                s = jnp.dot(q, k_smem.at[slot][...].T,
                             preferred_element_type=jnp.float32)
                 take_turn()
             else:
@@ -183,9 +191,20 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
         # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
         inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        qo_smem[...] = acc.astype(dtype)
+        o_smem = o_smem2.at[wg]  # untiled: stores start at any row
+        o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[blk, pl.ds(row0, block_q), head])
+        # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set bit).
+        rows = jnp.clip(num_rows - row0, 0, block_q)
+        start = rows & 0  # traced (a constant start fails to lower with the traced ones)
+        size = 1 << (block_q.bit_length() - 1)
+        while size:
+            @pl.when(rows & size != 0)
+            def _(size=size, start=start):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)],
+                                        out_ref.at[pl.ds(t0 + row0 + start, size), columns])
+            start = start + (rows & size)
+            size //= 2
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -236,9 +255,12 @@ def paged_attention_prefill_hopper(
     sliding_window: int | None = None,
     config: HopperPrefillConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
+    skip_single_token_seqs: bool = False,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype
     """Same contract as :func:`paged_attention_reference` for prefill chunks (a decode token
     is a chunk of one); raises ValueError for operands :func:`unsupported` names.
+    ``skip_single_token_seqs`` leaves one-token sequences' rows unwritten (undefined), as
+    :func:`paged_attention_prefill` does for the mixed step's decode kernel.
     ``interpret`` (True, or the interpreter's params, e.g. with its race detector): JAX's GPU
     interpreter (CPU) runs the warpgroups, barriers and page copies as written, the two
     products as register dots (it has no wgmma)."""
@@ -251,20 +273,22 @@ def paged_attention_prefill_hopper(
     layers, num_pages, block_size, num_kv_heads, _ = k_pool.shape
     num_seqs, table_width = block_tables.shape
     rows = 2 * config.block_q
-    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, rows)  # [QB] each
+    bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, rows, skip_single_token_seqs)
     num_blocks = bseq.shape[0]
-    token = bt0[:, None] + jnp.arange(rows, dtype=jnp.int32)  # [QB, rows]
-    real = token < bt1[:, None]
-    q_blocks = q[jnp.clip(token, 0, num_tokens - 1)]  # [QB, rows, Hq, D]
     first = jnp.clip(bt0, 0, num_tokens - 1)
     pos0 = positions[first]
+    num_rows = jnp.maximum(bt1 - bt0, 0)
     seq = jnp.minimum(bseq, num_seqs - 1)
-    last = pos0 + jnp.maximum(bt1 - bt0, 0)  # the block's last real row's position + 1
-    kv_len = jnp.where((bseq < num_seqs) & (bt1 > bt0), jnp.minimum(seq_lens[seq], last), 0)
-    meta = jnp.stack([pos0, kv_len], axis=1).astype(jnp.int32)  # [QB, 2]
+    # Keys the block's last row sees; 0 for the padding tail's blocks (pseudo-sequence S).
+    kv_len = jnp.where((bseq < num_seqs) & (num_rows > 0),
+                       jnp.minimum(seq_lens[seq], pos0 + num_rows), 0)
+    meta = jnp.stack([first, pos0, kv_len, num_rows], axis=1).astype(jnp.int32)  # [QB, 4]
     layer = jnp.asarray(layer, jnp.int32)
     tables = block_tables[seq].astype(jnp.int32) + layer * num_pages  # [QB, W] flat page ids
     flat = lambda pool: pool.reshape(layers * num_pages, block_size, num_kv_heads, head_dim)
+    # [T + rows, Hq D]: a block's box never leaves it; rows as 2-D boxes (a squeezed head
+    # axis with a traced row start fails JAX 0.11.2's layout inference).
+    q_padded = jnp.pad(q, ((0, rows), (0, 0), (0, 0))).reshape(-1, num_q_heads * head_dim)
 
     steps_in_flight = config.max_concurrent_steps
     pages_per_step = config.block_kv // block_size
@@ -272,7 +296,8 @@ def paged_attention_prefill_hopper(
 
     def entry(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref):
         buffers = (
-            plgpu.SMEM((2, config.block_q, head_dim), q.dtype, transforms=tiling),
+            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # q, untiled
+            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # the output, untiled
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
                        transforms=tiling),
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
@@ -291,9 +316,9 @@ def paged_attention_prefill_hopper(
                 table_width=table_width, interpret=bool(interpret)),
             buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
-    out_blocks = plgpu.kernel(
+    out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(q_blocks.shape, q.dtype),
+        out_type=jax.ShapeDtypeStruct((num_tokens, num_q_heads * head_dim), q.dtype),
         grid=(num_q_heads, num_blocks),
         grid_names=("heads", "blocks"),
         num_threads=3,
@@ -301,12 +326,5 @@ def paged_attention_prefill_hopper(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
            if interpret else {}),
-    )(meta, tables, q_blocks, flat(k_pool), flat(v_pool))
-    # Each real token is one row of one block: scatter the block rows back to tokens.
-    owner = jnp.zeros((num_tokens,), jnp.int32).at[jnp.where(real, token, num_tokens)].set(
-        jnp.broadcast_to(jnp.arange(num_blocks, dtype=jnp.int32)[:, None], token.shape),
-        mode="drop")
-    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    out = out_blocks[owner, tokens - bt0[owner]]  # [T, Hq, D]
-    padding = tokens >= query_start_loc[-1]
-    return jnp.where(padding[:, None, None], jnp.zeros((), q.dtype), out)
+    )(meta, tables, q_padded, flat(k_pool), flat(v_pool))
+    return out.reshape(q.shape)
