@@ -63,7 +63,7 @@ SMOLLM2_ENGINE_ARGS = dict(max_num_seqs=4, max_num_batched_tokens=64, max_model_
 LONGEST_FILES_FIRST = ("test_paged_attention_kernels.py", "test_tensor_parallel.py",
                        "test_notebooks.py", "test_bench_commands.py", "test_engine.py",
                        "test_model_invariants.py", "test_server.py", "test_engine_process.py",
-                       "test_generate.py")
+                       "test_generate.py", "test_prefill_hopper.py")
 
 
 # Most tests run tiny random models, whose programs cost far more to compile than to run: XLA's
