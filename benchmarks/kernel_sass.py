@@ -97,17 +97,19 @@ def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple
     return ttir, config.num_warps, config.num_stages
 
 
-def capture_gemv(k: int, n: int, tokens: int, group: int, config) -> tuple[str, int, int]:
-    """The int4 GEMV's Triton IR for sm_90 over a [K, N] weight at ``tokens`` bf16 rows."""
+def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
+                 config) -> tuple[str, int, int]:
+    """An int4 kernel's Triton IR for sm_90 ("gemv" or "matmul", the tiled one) over a [K, N]
+    weight at ``tokens`` bf16 rows, and its warps and stages."""
     import jax
     import jax.numpy as jnp
-    from jaxllm.pallas_kernels.quantized_matmul import int4_gemv
+    from jaxllm.pallas_kernels.quantized_matmul import int4_gemv, int4_matmul
 
+    run = {"gemv": int4_gemv, "matmul": int4_matmul}[kernel]
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
         ((k // group, n), jnp.uint8)]]
-    ttir = _capture(lambda x, q, s, z: int4_gemv(x, q, s, z, group_size=group, config=config),
-                    args)
+    ttir = _capture(lambda x, q, s, z: run(x, q, s, z, group_size=group, config=config), args)
     return ttir, config.num_warps, config.num_stages
 
 
@@ -182,27 +184,14 @@ def _gemv_config(args):
     return Int4GemvConfig(**config_fields(args.gemv_config))
 
 
-def capture_matmul(k: int, n: int, tokens: int, group: int, config) -> tuple[str, int, int]:
-    """The tiled int4 kernel's Triton IR for sm_90 over a [K, N] weight at ``tokens`` rows."""
-    import jax
-    import jax.numpy as jnp
-    from jaxllm.pallas_kernels.quantized_matmul import int4_matmul
-
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in [
-        ((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
-        ((k // group, n), jnp.uint8)]]
-    ttir = _capture(lambda x, q, s, z: int4_matmul(x, q, s, z, group_size=group, config=config),
-                    args)
-    return ttir, config.num_warps, config.num_stages
-
-
 def run_gemv(args) -> dict:
     """The GEMV's main loop (its longest loop): instructions per iteration and per weight."""
     from jaxllm.benchmarks.provenance import source_commit, write_json
     from jaxllm.pallas_kernels.quantized_matmul.reference import PER_WORD
 
     config = _gemv_config(args)
-    ttir, warps, stages = capture_gemv(args.k, args.n, args.tokens, args.group_size, config)
+    ttir, warps, stages = capture_int4("gemv", args.k, args.n, args.tokens,
+                                       args.group_size, config)
     sass = compile_sass(ttir, warps, stages, args.triton_python)
     if args.sass_out:
         with open(args.sass_out, "w") as f:
@@ -250,8 +239,8 @@ def run(args) -> dict:
         from jaxllm.pallas_kernels.quantized_matmul import Int4MatmulConfig
 
         config = Int4MatmulConfig(**config_fields(args.matmul_config))
-        ttir, warps, stages = capture_matmul(args.k, args.n, args.tokens, args.group_size,
-                                             config)
+        ttir, warps, stages = capture_int4("matmul", args.k, args.n, args.tokens,
+                                           args.group_size, config)
     else:
         ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens,
                                            args.context)
