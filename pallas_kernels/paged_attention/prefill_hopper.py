@@ -94,6 +94,9 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
+    def slot_of(step):  # the ring slot a K/V step fills
+        return lax.rem(step, jnp.int32(steps_in_flight))
+
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
@@ -125,7 +128,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
 
         def kv_step(step, carry, masked: bool):
             acc, m_i, l_i = carry
-            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            slot = slot_of(step)
             plgpu.barrier_wait(k_ready.at[slot])
 
             def qk(acc_ref):
@@ -175,7 +178,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
             # Steps only the other warpgroup needs: each is waited for before it is released,
             # so that a release never counts towards a slot's earlier fill (the memory
             # warpgroup would overwrite a slot still being read).
-            slot = lax.rem(step, jnp.int32(steps_in_flight))
+            slot = slot_of(step)
             plgpu.barrier_wait(k_ready.at[slot])
             plgpu.barrier_arrive(k_free.at[slot])
             plgpu.barrier_wait(v_ready.at[slot])
@@ -225,20 +228,18 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
         for s in range(steps_in_flight):
             pl.when(s < block_steps)(functools.partial(load, s, s))
 
+        def released(step):  # both compute warpgroups are done with this step's slot
+            plgpu.barrier_wait(k_free.at[slot_of(step)])
+            plgpu.barrier_wait(v_free.at[slot_of(step)])
+
         @pl.loop(steps_in_flight, jnp.maximum(block_steps, steps_in_flight))
         def _(step):
-            slot = lax.rem(step, jnp.int32(steps_in_flight))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            load(step, slot)
+            released(step - steps_in_flight)
+            load(step, slot_of(step))
 
         # The last fills' releases too: a barrier left with phases its waiter never saw is
         # what JAX's GPU interpreter refuses at its deallocation.
-        @pl.loop(jnp.maximum(block_steps - steps_in_flight, 0), block_steps)
-        def _(step):
-            slot = lax.rem(step, jnp.int32(steps_in_flight))
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        pl.loop(jnp.maximum(block_steps - steps_in_flight, 0), block_steps)(released)
 
 
 def paged_attention_prefill_hopper(
