@@ -52,6 +52,7 @@ def make_engine(model, args):
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"), disable_log_stats=True,
+        attention_backend=getattr(args, "attention_backend", "auto"),
         **({"compilation_cache_dir": args.compilation_cache_dir}
            if getattr(args, "compilation_cache_dir", None) else {}))
     # The LLM class's default limits (offline: 16384 tokens a step on a large GPU).

@@ -105,6 +105,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="unrolled layer stack over a per-layer KV pool, for jaxllm and "
                    "jax-static (default: on GPU, as the engine)")
     e.add_argument("--enforce-eager", action="store_true")
+    e.add_argument("--attention-backend", default="auto",
+                   help="jaxllm: as `jaxllm serve --attention-backend` (pallas_mosaic: the "
+                   "Hopper prefill kernel)")
     e.add_argument("--enable-prefix-caching", action="store_true")
     e.add_argument("--structured-fraction", type=float, default=0.0,
                    help="share of the requests (every k-th) whose output is constrained to "

@@ -8,6 +8,10 @@
   the rest (``paged_attention_mixed``). Shapes the kernels cannot tile (a head dim or block size
   that is not a power of two) use the reference.
 - "pallas_interpret": the same kernels run by the Pallas interpreter (CPU tests).
+- "pallas_mosaic": "pallas" with the Hopper prefill kernel (Pallas' Mosaic GPU backend: TMA,
+  wgmma) in place of the Triton one wherever it takes the operands; needs compute capability
+  9.0. "pallas_mosaic_interpret": the same on CPU (JAX's GPU interpreter runs the Hopper
+  kernel).
 - "auto": "pallas" on GPU, "reference" elsewhere.
 
 Under tensor parallelism (a ``mesh`` with a ``tp`` axis) the K/V write and the attention run
@@ -32,15 +36,27 @@ from jaxllm.pallas_kernels.paged_attention import (
 from jaxllm.parallel import PP_AXIS, TP_AXIS, tensor_parallel_size
 from jaxllm.parallel.sharding import KV_HEAD_AXIS
 
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_mosaic",
+                      "pallas_mosaic_interpret")
+HOPPER = "9.0"  # the compute capability "pallas_mosaic" compiles for (wgmma, TMA)
 
 
 def resolve_backend(backend: str) -> str:
-    """Maps "auto" to a concrete backend for the default platform."""
+    """Maps "auto" to a concrete backend for the default platform; refuses one the default
+    device cannot run."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "auto":
         return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if backend in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
+        raise ValueError(f"attention backend {backend!r} needs a GPU (this platform: "
+                         f"{jax.default_backend()}); its interpreted form is "
+                         f"{backend + '_interpret'!r}")
+    if backend == "pallas_mosaic":
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability != HOPPER:
+            raise ValueError(f"attention backend 'pallas_mosaic' needs a Hopper GPU (compute "
+                             f"capability {HOPPER}); this one has {capability}")
     return backend
 
 
@@ -73,9 +89,13 @@ def paged_attention(
             batch.query_start_loc, batch.positions)
     if backend == "reference" or not kernels_support(q, kv_pool.k, kv_pool.v):
         return paged_attention_reference(*args, scale=scale, sliding_window=sliding_window)
-    kernel = paged_attention_decode if is_decode_batch(q, batch) else paged_attention_mixed
-    return kernel(*args, scale=scale, sliding_window=sliding_window,
-                  interpret=backend == "pallas_interpret")
+    interpret = backend.endswith("_interpret")
+    if is_decode_batch(q, batch):
+        return paged_attention_decode(*args, scale=scale, sliding_window=sliding_window,
+                                      interpret=interpret)
+    return paged_attention_mixed(
+        *args, scale=scale, sliding_window=sliding_window, interpret=interpret,
+        prefill_kernel="mosaic" if backend.startswith("pallas_mosaic") else "triton")
 
 
 def write_kv_and_attend(

@@ -15,6 +15,7 @@ import os
 
 from jaxllm.serve import security
 
+from jaxllm.attention import ATTENTION_BACKENDS
 from jaxllm.engine.engine_config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
 from jaxllm.engine.replica_devices import visible_gpus
 from jaxllm.pooling_params import PoolingParams
@@ -197,6 +198,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--unroll-layers", action=argparse.BooleanOptionalAction, default=None,
                         help="unrolled layer stack over a per-layer KV pool (default: on GPU, "
                         "where a looped stack's launch blocks the host; off elsewhere)")
+    engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="auto: the Pallas (Triton) kernels on GPU, the XLA reference "
+                        "elsewhere; pallas_mosaic: the Hopper prefill kernel (Mosaic GPU) in "
+                        "place of the Triton one (needs compute capability 9.0)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="compile step shapes on first use instead of warming them all up")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
@@ -314,7 +319,8 @@ def configs_from_args(args: argparse.Namespace,
         quantization=quantization, kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, preemption_mode=args.preemption_mode,
-        disable_log_stats=args.disable_log_stats, **node_flags(args, environ))
+        attention_backend=args.attention_backend, disable_log_stats=args.disable_log_stats,
+        **node_flags(args, environ))
     server = ServerConfig(
         host=args.host, port=args.port,
         served_model_name=tuple(args.served_model_name or ()),

@@ -107,3 +107,12 @@ def test_generate_on_gpu_kernel_tokens_match_reference(dtype, tie):
     """Dummy-weight Llama-3-shaped model, greedy: the kernel path gives the reference's tokens."""
     same, report = check_greedy_generation(dtype, "pallas", tie=tie)
     print(f"{dtype}: {same:.3f} of tokens equal; near-tie divergences {report}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU or getattr(jax.devices()[0], "compute_capability", None) != "9.0",
+                    reason="needs a Hopper GPU")
+def test_generate_through_the_hopper_prefill_kernel_matches_reference():
+    """Backend "pallas_mosaic": the prompts' prefill through the Mosaic GPU kernel."""
+    same, report = check_greedy_generation("bfloat16", "pallas_mosaic", tie=0.1)
+    print(f"bfloat16, pallas_mosaic: {same:.3f} of tokens equal; near-tie divergences {report}")

@@ -106,19 +106,6 @@ def test_interpreted_kernel_equals_reference():
           HopperPrefillConfig(block_kv=64), interpret=True)
 
 
-def test_interpreted_kernel_leaves_single_token_rows_to_the_decode_kernel():
-    """``skip_single_token_seqs`` (the mixed step's split): the prompt rows equal the
-    reference's; no block, and no store, for the one-token sequences."""
-    case = finite_case([(16, 1), (0, 70), (300, 1)], "smollm2_135m", 16, jnp.float16)
-    out = paged_attention_prefill_hopper(*case.args, scale=case.scale, interpret=True,
-                                         config=HopperPrefillConfig(block_kv=64),
-                                         skip_single_token_seqs=True)
-    ref = paged_attention_reference(*case.args, scale=case.scale)
-    prompt = slice(1, 71)  # tokens 1..70: the 70-token prompt
-    np.testing.assert_allclose(np.asarray(out[prompt], np.float32),
-                               np.asarray(ref[prompt], np.float32), **TOLERANCES[jnp.float16])
-
-
 def test_interpreter_finds_no_race_where_no_slot_is_refilled():
     """JAX's race detector over the barriers (q, K/V ready, the warpgroups' turns, the output
     store). Where slots are refilled it reports the refill's TMA write against the earlier
@@ -158,3 +145,74 @@ class TestHopperPrefillGPU:
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
         check(case, jnp.bfloat16, HopperPrefillConfig(**config))
+
+
+# --- through the attention dispatch (backend "pallas_mosaic") ---------------------------------
+
+
+@pytest.fixture
+def hopper_calls(monkeypatch):
+    """The configs of the mixed path's Hopper kernel calls (``dispatch`` runs op by op)."""
+    from jaxllm.pallas_kernels.paged_attention import mixed
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["config"])
+        return paged_attention_prefill_hopper(*args, **kwargs)
+
+    monkeypatch.setattr(mixed, "paged_attention_prefill_hopper", counted)
+    return calls
+
+
+def dispatch(case, backend, sliding_window=None):
+    """The dispatch's output, op by op: inside a jitted program, the GPU interpreter's
+    warpgroup threads each run jitted code and wait on each other at barriers, and on a
+    2-core machine the program holding the CPU client's threads starved them (a hang)."""
+    from jaxllm.attention import paged_attention
+    from jaxllm.kv_pool import KVPool
+
+    q, k, v, layer = case.args[:4]
+    with jax.disable_jit():
+        out = paged_attention(q, KVPool(k, v), layer, case.batch, scale=case.scale,
+                              sliding_window=sliding_window, backend=backend)
+    return np.asarray(out, np.float32)
+
+
+def test_mosaic_backend_runs_mixed_batches_through_the_hopper_kernel(hopper_calls):
+    """Prompt chunks beside decodes: the decodes through the decode kernel, the rest through
+    the Hopper kernel (JAX's GPU interpreter here) with ``skip_single_token_seqs``, which
+    gives the one-token sequences no block and no store; together equal to the reference."""
+    case = finite_case([(0, 70), (16, 1), (130, 9)], "smollm2_135m", 16, jnp.bfloat16)
+    out = dispatch(case, "pallas_mosaic_interpret")
+    assert hopper_calls == [HopperPrefillConfig()]
+    ref = dispatch(case, "reference")
+    n = case.num_real_tokens
+    np.testing.assert_allclose(out[:n], ref[:n], **TOLERANCES[jnp.bfloat16])
+
+
+def test_mosaic_backend_leaves_what_the_hopper_kernel_cannot_take_to_triton(hopper_calls):
+    """A sliding window (and, alike, an FP8 pool or a head dim off 64) goes to the Triton
+    prefill kernel: same result as the "pallas" path, no Hopper call."""
+    case = finite_case([(0, 40), (20, 1)], "smollm2_135m", 16, jnp.bfloat16)
+    out = dispatch(case, "pallas_mosaic_interpret", sliding_window=24)
+    assert hopper_calls == []
+    n = case.num_real_tokens
+    np.testing.assert_array_equal(out[:n], dispatch(case, "pallas_interpret", 24)[:n])
+
+
+def test_mosaic_backend_is_refused_without_a_hopper_gpu():
+    from jaxllm.attention import resolve_backend
+
+    if ON_GPU:
+        capability = getattr(jax.devices()[0], "compute_capability", None)
+        if capability == "9.0":
+            assert resolve_backend("pallas_mosaic") == "pallas_mosaic"
+            return
+        with pytest.raises(ValueError, match="needs a Hopper GPU"):
+            resolve_backend("pallas_mosaic")
+    else:
+        for backend in ("pallas", "pallas_mosaic"):
+            with pytest.raises(ValueError, match="needs a GPU .* its interpreted form"):
+                resolve_backend(backend)
+    assert resolve_backend("pallas_mosaic_interpret") == "pallas_mosaic_interpret"

@@ -49,6 +49,9 @@ def test_vllm_flags_map_onto_the_engine_config():
     assert defaults.tokenizer is None
     assert configs("-q", "int8")[0].quantization == "int8"
     assert configs("--quantization", "fp8")[0].quantization == "fp8"
+    assert defaults.attention_backend == "auto"
+    assert configs("--attention-backend", "pallas_mosaic")[0].attention_backend == \
+        "pallas_mosaic"
     assert server.pooler_config == PoolingParams("LAST", normalize=True)
     assert configs("--pooler-config", '{"pooling_type": "mean", "normalize": false}')[1] \
         .pooler_config == PoolingParams("MEAN", normalize=False)

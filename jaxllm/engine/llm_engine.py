@@ -68,6 +68,7 @@ class LLMEngine(StepLauncher):
             use_compilation_cache(config.compilation_cache_dir)
         config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
                                                                     jax.default_backend()))
+        backend = resolve_backend(config.attention_backend)  # refused before any loading
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,
@@ -100,7 +101,6 @@ class LLMEngine(StepLauncher):
                                 device.device_kind,
                                 usage_context if config.nnodes == 1 else "api_server")
         max_model_len, max_batched = config.max_model_len, config.max_num_batched_tokens
-        backend = resolve_backend(config.attention_backend)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         plan = plan_kv_blocks(
             model, block_size=config.block_size,

@@ -19,7 +19,9 @@ kernel) cost a program that waits for nothing and stores nothing.
 
 Status (tests/test_prefill_hopper.py): lowered for an H200 on CPU, and run against the
 reference by JAX's GPU interpreter on CPU (warpgroups, barriers and page copies as written,
-the two products as register dots); not compiled or run on a GPU yet, not used by the engine.
+the two products as register dots); not compiled or run on a GPU yet. The engine runs it only
+when asked: attention backend "pallas_mosaic" (``--attention-backend``), through
+:func:`paged_attention_mixed`'s ``prefill_kernel="mosaic"``.
 Issue 17's evidence for it: JAX's own Mosaic GPU attention reached 71-82% of the H200's matmul
 rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37% (benchmarks/RESULTS.md, 2026-12-03).
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
