@@ -25,17 +25,20 @@ from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
     paged_attention_prefill_hopper,
     unsupported,
 )
-from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
+from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES, HeadShape
 from paged_attention_cases import TOLERANCES, decode_chunks, make_case
 
 ON_GPU = jax.default_backend() == "gpu"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 # Prompt chunks over cached prefixes, decodes, a 1023-token prefill; and the issue's shape.
+# SmolLM2's group of 3 heads of 64 under one KV head: the interpreter runs a program per query
+# head and query block, so the CPU cases keep to one group.
+GROUP_OF_3 = HeadShape(3, 1, 64)
 MIXED_CHUNKS = [(0, 1), (16, 1), (0, 17), (15, 3), (510, 3), (0, 513), (1000, 23), (1022, 1)]
 
 
-def finite_case(chunks, heads: str, block_size: int, dtype):
-    h = HEAD_SHAPES[heads]
+def finite_case(chunks, heads: str | HeadShape, block_size: int, dtype):
+    h = HEAD_SHAPES[heads] if isinstance(heads, str) else heads
     case = make_case(chunks, block_size=block_size, num_q_heads=h.num_q_heads,
                      num_kv_heads=h.num_kv_heads, head_dim=h.head_dim, dtype=dtype)
     q, k, v, *rest = case.args
@@ -99,10 +102,10 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
 
 
 def test_interpreted_kernel_equals_reference():
-    """SmolLM2's heads (9 / 3 of 64: few programs to interpret) in 64-key steps, so that the
-    sequences take several: slots refilled, and a fresh 128-token prompt whose first
-    warpgroup needs one step where the second needs two (the first releases the other's)."""
-    check(finite_case([(0, 128), (260, 70)], "smollm2_135m", 16, jnp.bfloat16), jnp.bfloat16,
+    """One group of heads in 64-key steps, so that the sequences take several: slots
+    refilled, and a fresh 128-token prompt whose first warpgroup needs one step where the
+    second needs two (the first releases the other's)."""
+    check(finite_case([(0, 128), (260, 70)], GROUP_OF_3, 16, jnp.bfloat16), jnp.bfloat16,
           HopperPrefillConfig(block_kv=64), interpret=True)
 
 
@@ -116,7 +119,7 @@ def test_interpreter_finds_no_race_where_no_slot_is_refilled():
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    case = finite_case([(0, 5), (20, 70)], "smollm2_135m", 16, jnp.float16)
+    case = finite_case([(0, 5), (20, 70)], GROUP_OF_3, 16, jnp.float16)
     check(case, jnp.float16, HopperPrefillConfig(block_kv=64),
           interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
@@ -183,7 +186,7 @@ def test_mosaic_backend_runs_mixed_batches_through_the_hopper_kernel(hopper_call
     """Prompt chunks beside decodes: the decodes through the decode kernel, the rest through
     the Hopper kernel (JAX's GPU interpreter here) with ``skip_single_token_seqs``, which
     gives the one-token sequences no block and no store; together equal to the reference."""
-    case = finite_case([(0, 70), (16, 1), (130, 9)], "smollm2_135m", 16, jnp.bfloat16)
+    case = finite_case([(0, 70), (16, 1), (130, 9)], GROUP_OF_3, 16, jnp.bfloat16)
     out = dispatch(case, "pallas_mosaic_interpret")
     assert hopper_calls == [HopperPrefillConfig()]
     ref = dispatch(case, "reference")
@@ -194,7 +197,7 @@ def test_mosaic_backend_runs_mixed_batches_through_the_hopper_kernel(hopper_call
 def test_mosaic_backend_leaves_what_the_hopper_kernel_cannot_take_to_triton(hopper_calls):
     """A sliding window (and, alike, an FP8 pool or a head dim off 64) goes to the Triton
     prefill kernel: same result as the "pallas" path, no Hopper call."""
-    case = finite_case([(0, 40), (20, 1)], "smollm2_135m", 16, jnp.bfloat16)
+    case = finite_case([(0, 40), (20, 1)], GROUP_OF_3, 16, jnp.bfloat16)
     out = dispatch(case, "pallas_mosaic_interpret", sliding_window=24)
     assert hopper_calls == []
     n = case.num_real_tokens
