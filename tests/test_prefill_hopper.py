@@ -23,6 +23,7 @@ from jaxllm.pallas_kernels.paged_attention import paged_attention_reference
 from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
     HopperPrefillConfig,
     paged_attention_prefill_hopper,
+    smem_bytes,
     unsupported,
 )
 from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES, HeadShape
@@ -76,6 +77,11 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
     assert "head_dim" in unsupported(q[..., :96], pool[..., :96], None, config)
     assert "whole pages" in unsupported(q, jnp.zeros((1, 4, 48, 8, 128), jnp.bfloat16), None,
                                         config)
+    # Both warpgroups' q rows and three 128-key K and V slots: 256 KiB, past the 227 a block has.
+    too_big = HopperPrefillConfig(block_q=128, max_concurrent_steps=3)
+    assert smem_bytes(too_big, 128, 2) == 256 * 1024
+    assert "shared memory" in unsupported(q, pool, None, too_big)
+    assert unsupported(q, pool, None, HopperPrefillConfig(block_q=128)) is None
     with pytest.raises(ValueError, match="sliding"):
         case = finite_case([(0, 5)], "llama3_8b", 16, jnp.bfloat16)
         paged_attention_prefill_hopper(*case.args, scale=case.scale, sliding_window=8)
@@ -144,7 +150,7 @@ class TestHopperPrefillGPU:
 
     @pytest.mark.parametrize("config", [
         dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128),
-        dict(max_concurrent_steps=3)])
+        dict(max_concurrent_steps=3, block_kv=64)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
         check(case, jnp.bfloat16, HopperPrefillConfig(**config))

@@ -58,6 +58,15 @@ class HopperPrefillConfig:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
 
 
+HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one block may take on sm_90
+
+
+def smem_bytes(config: HopperPrefillConfig, head_dim: int, itemsize: int) -> int:
+    """The kernel's buffers: both warpgroups' q (then output) rows and the K and V rings."""
+    rows = 2 * config.block_q + 2 * config.max_concurrent_steps * config.block_kv
+    return rows * head_dim * itemsize
+
+
 def unsupported(q: jax.Array, k_pool: jax.Array, sliding_window: int | None,
                 config: HopperPrefillConfig) -> str | None:
     """Why the kernel cannot take these operands (None: it can)."""
@@ -71,6 +80,10 @@ def unsupported(q: jax.Array, k_pool: jax.Array, sliding_window: int | None,
     if config.block_kv % block_size or block_size % 8:
         return (f"block_kv={config.block_kv} must be whole pages of {block_size} tokens, "
                 "pages a multiple of 8")
+    need = smem_bytes(config, head_dim, q.dtype.itemsize)
+    if need > HOPPER_SMEM_BYTES:
+        return (f"{config} needs {need} bytes of shared memory at head_dim={head_dim}; a "
+                f"Hopper block has {HOPPER_SMEM_BYTES}")
     return None
 
 
@@ -80,8 +93,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
     head = lax.axis_index("heads")
     blk = lax.axis_index("blocks")
     wg = lax.axis_index("wg")
-    (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = \
-        scoped
+    (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
     pages_per_step = block_kv // block_size
     head_dim = k_ref.shape[-1]
     dtype = q_ref.dtype
@@ -106,7 +118,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
         columns = pl.ds(head * head_dim, head_dim)  # q and the output are [T, Hq D]
         # Into untiled shared memory (a tiled one needs the block's first token a multiple of
         # 8), then registers: wgmma's A operand.
-        q_smem = q_smem2.at[wg]
+        q_smem = qo_smem2.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + row0, block_q), columns], q_smem,
                                 q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
@@ -196,7 +208,7 @@ def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale
         # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
         inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
         acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        o_smem = o_smem2.at[wg]  # untiled: stores start at any row
+        o_smem = qo_smem2.at[wg]  # q's, long since in registers; untiled: stores start anywhere
         o_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
         # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set bit).
@@ -299,8 +311,7 @@ def paged_attention_prefill_hopper(
 
     def entry(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref):
         buffers = (
-            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # q, untiled
-            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # the output, untiled
+            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # q, then the output; untiled
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
                        transforms=tiling),
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
