@@ -103,22 +103,33 @@ def unsupported(m: int, k: int, n: int, group_size: int,
     return None
 
 
+def _step_tile(w_ref, s_ref, z_ref, i, split, *, steps: int, block_words: int,
+               group_words: int, dtype):
+    """Step ``i``'s packed words and their groups' scales (in ``dtype``) and zeros (i32):
+    (first word row within the split, i32[block_k / 8, block_n], [1 or block_k / 8, block_n]
+    twice). ``split``: the program's K split (read outside the step loop, where the Pallas
+    interpreter can lower it)."""
+    r0 = pl.multiple_of(i * block_words, block_words)  # word row within the split
+    words = w_ref[pl.ds(r0, block_words), :]  # i32[block_k / 8, block_n]
+    first = split * steps * block_words + r0  # word row within K
+    if group_words % block_words == 0:  # the whole step in one group: one row of each
+        scales = s_ref[first // group_words, :][None, :]  # [1, block_n]
+        zeros = z_ref[first // group_words, :][None, :]
+    else:  # smaller groups: each word row's own group
+        groups = (first + jnp.arange(block_words, dtype=jnp.int32)) // group_words
+        scales, zeros = s_ref[groups, :], z_ref[groups, :]  # [block_k / 8, block_n]
+    return r0, words, scales.astype(dtype), zeros.astype(jnp.int32)
+
+
 def _kernel(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, block_words: int,
             group_words: int, dtype):
     split = pl.program_id(1)
     block_m, block_n = o_ref.shape
 
     def step(i, acc):
-        r0 = pl.multiple_of(i * block_words, block_words)  # word row within the split
-        words = w_ref[pl.ds(r0, block_words), :]  # i32[block_k / 8, block_n]
-        first = split * steps * block_words + r0  # word row within K
-        if group_words % block_words == 0:  # the whole step in one group: one row of each
-            scales = s_ref[first // group_words, :][None, :]  # [1, block_n]
-            zeros = z_ref[first // group_words, :][None, :]
-        else:  # smaller groups: each word row's own group
-            groups = (first + jnp.arange(block_words, dtype=jnp.int32)) // group_words
-            scales, zeros = s_ref[groups, :], z_ref[groups, :]  # [block_k / 8, block_n]
-        scales, zeros = scales.astype(dtype), zeros.astype(jnp.int32)
+        r0, words, scales, zeros = _step_tile(w_ref, s_ref, z_ref, i, split, steps=steps,
+                                              block_words=block_words,
+                                              group_words=group_words, dtype=dtype)
         for j in range(PER_WORD):
             # Arithmetic shift drags a negative word's sign bits in; the mask drops them.
             q = jnp.right_shift(words, 4 * j) & 0xF
@@ -139,18 +150,12 @@ def _kernel_one_dot(x_ref, w_ref, s_ref, z_ref, o_ref, *, steps: int, block_word
     shifts = 4 * jax.lax.broadcasted_iota(jnp.int32, (block_words, PER_WORD, block_n), 1)
 
     def step(i, acc):
-        r0 = pl.multiple_of(i * block_words, block_words)  # word row within the split
-        words = w_ref[pl.ds(r0, block_words), :]  # i32[block_k / 8, block_n]
-        first = split * steps * block_words + r0  # word row within K
-        if group_words % block_words == 0:  # the whole step in one group
-            scales = s_ref[first // group_words, :][None, None, :]  # [1, 1, block_n]
-            zeros = z_ref[first // group_words, :][None, None, :]
-        else:  # smaller groups: each word row's own group
-            groups = (first + jnp.arange(block_words, dtype=jnp.int32)) // group_words
-            scales, zeros = s_ref[groups, :][:, None, :], z_ref[groups, :][:, None, :]
+        r0, words, scales, zeros = _step_tile(w_ref, s_ref, z_ref, i, split, steps=steps,
+                                              block_words=block_words,
+                                              group_words=group_words, dtype=dtype)
         # Nibble j of word row r is input row 8 r + j, so [rows, 8, cols] flattens in K order.
         q = jnp.right_shift(words[:, None, :], shifts) & 0xF
-        w = (q - zeros.astype(jnp.int32)).astype(dtype) * scales.astype(dtype)
+        w = (q - zeros[:, None, :]).astype(dtype) * scales[:, None, :]
         xk = x_ref[:, pl.ds(pl.multiple_of(r0 * PER_WORD, block_k), block_k)]
         return acc + jnp.dot(xk, w.reshape(block_k, block_n),  # [block_m, block_k] @ [.., n]
                              preferred_element_type=jnp.float32)
