@@ -22,7 +22,10 @@ from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_reference,
 )
-from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
+    HopperPrefillConfig,
+    paged_attention_prefill_hopper,
+)
 from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
 
 
@@ -31,6 +34,14 @@ def _prefill_name(c: PrefillConfig) -> str:
             + ("_heavy" if c.heavy_first else ""))
 
 
+# The Hopper kernel's default first ("hopper": the table's column), then variants that fit
+# its shared memory at head_dim 128.
+HOPPER_CONFIGS = {
+    "hopper": HopperPrefillConfig(),
+    "hopper_s3": HopperPrefillConfig(max_concurrent_steps=3),
+    "hopper_q128": HopperPrefillConfig(block_q=128),
+    "hopper_kv64_s4": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4),
+}
 # Every field spelled out: a name stays true when the defaults change.
 PREFILL_SWEEP = {_prefill_name(c): c for c in [
     PrefillConfig(block_q_rows=q, block_kv=kv, num_warps=w, num_stages=s, heavy_first=h)
@@ -81,9 +92,9 @@ def bench_prefill_points(plan, rows: list[dict], save: Callable[[], None], *, de
     """A row per ``plan.prefill_points``, appended to ``rows`` and saved one by one. With
     ``sweep``, the points of the first chunk size run every config of PREFILL_SWEEP, and the rest
     only the default and the best of those; past ``deadline`` the sweep stops (and the reference,
-    a minute later). ``with_hopper`` adds the Mosaic GPU kernel (prefill_hopper), last in
-    each row. Returns the best config's name ("" with no sweep; None when the sweep ran but
-    timed nothing)."""
+    a minute later). ``with_hopper`` adds the Mosaic GPU kernel (prefill_hopper) in each of
+    HOPPER_CONFIGS, last in each row. Returns the best config's name ("" with no sweep; None
+    when the sweep ran but timed nothing)."""
     default = {"pallas": PrefillConfig()}  # bf16 pages: what the engine runs
     best = None if sweep else ""
     first_chunk = plan.prefill_points[0][0] if plan.prefill_points else 0
@@ -97,7 +108,8 @@ def bench_prefill_points(plan, rows: list[dict], save: Callable[[], None], *, de
         if with_reference and time.time() < deadline + 60:
             impls["reference"] = paged_attention_reference
         if with_hopper:
-            impls["hopper"] = paged_attention_prefill_hopper
+            impls |= {n: (lambda *a, c=c, **kw: paged_attention_prefill_hopper(*a, config=c, **kw))
+                      for n, c in HOPPER_CONFIGS.items()}
         rows.append(bench_prefill(chunk, cached, impls, plan=plan, block=block,
                                   pseudo_random=pseudo_random, time_per_call=time_per_call))
         save()
@@ -121,7 +133,7 @@ def _tflops(r) -> str:
 
 def print_prefill_table(rows: list[dict]) -> None:
     print("prefill: chunk cached | best pallas config TFLOP/s, tokens/s | default | reference"
-          " | hopper")
+          " | hopper | best hopper config")
     for r in rows:
         ours = {k: v for k, v in r.items() if isinstance(v, dict) and k.startswith("pallas")}
         best = max(ours, key=lambda k: ours[k]["TFLOPs"]) if ours else None
@@ -130,4 +142,9 @@ def print_prefill_table(rows: list[dict]) -> None:
               + (f"{best} {ours[best]['TFLOPs']:.0f}, {ours[best]['tokens_per_s']:.3g}"
                  if best else "-")
               + f" | {_tflops(r.get('pallas', r.get('pallas_q128_kv128_w8_s2')))}"
-              + f" | {_tflops(ref)} | {_tflops(r.get('hopper'))}")
+              + f" | {_tflops(ref)} | {_tflops(r.get('hopper'))} | {_best_hopper(r)}")
+
+
+def _best_hopper(r) -> str:
+    timed = {n: r[n]["TFLOPs"] for n in HOPPER_CONFIGS if isinstance(r.get(n), dict)}
+    return f"{max(timed, key=timed.get)} {max(timed.values()):.0f}" if timed else "-"

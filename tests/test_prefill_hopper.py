@@ -67,6 +67,8 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
         HopperPrefillConfig(block_q=32)
     with pytest.raises(ValueError, match=">= 2"):
         HopperPrefillConfig(max_concurrent_steps=1)
+    with pytest.raises(ValueError, match="num_programs"):
+        HopperPrefillConfig(num_programs=0)
     config = HopperPrefillConfig()
     q = jnp.zeros((4, 32, 128), jnp.bfloat16)
     pool = jnp.zeros((1, 4, 16, 8, 128), jnp.bfloat16)
@@ -109,8 +111,9 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
 
 def test_interpreted_kernel_equals_reference():
     """One group of heads in 64-key steps, so that the sequences take several: slots
-    refilled, and a fresh 128-token prompt whose first warpgroup needs one step where the
-    second needs two (the first releases the other's)."""
+    refilled, within an item and across the items a program takes in turn (two programs),
+    and a fresh 128-token prompt whose first warpgroup needs one step where the second needs
+    two (the first releases the other's)."""
     check(finite_case([(0, 128), (260, 70)], GROUP_OF_3, 16, jnp.bfloat16), jnp.bfloat16,
           HopperPrefillConfig(block_kv=64), interpret=True)
 
@@ -120,13 +123,13 @@ def test_interpreter_finds_no_race_where_no_slot_is_refilled():
     store). Where slots are refilled it reports the refill's TMA write against the earlier
     step's read even in a plain one-consumer ring (its async copies do not inherit the
     issuing warpgroup's wait; a synchronous store in the same ring is clean), so the case is
-    one with at most max_concurrent_steps steps (in float16: checked against the reference
-    too)."""
+    one with at most max_concurrent_steps steps a program: a program for each item (in
+    float16: checked against the reference too)."""
     from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import get_races
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     case = finite_case([(0, 5), (20, 70)], GROUP_OF_3, 16, jnp.float16)
-    check(case, jnp.float16, HopperPrefillConfig(block_kv=64),
+    check(case, jnp.float16, HopperPrefillConfig(block_kv=64, num_programs=64),
           interpret=plgpu.InterpretGPUParams(detect_races=True))
     assert not get_races().races_found
 
@@ -150,7 +153,8 @@ class TestHopperPrefillGPU:
 
     @pytest.mark.parametrize("config", [
         dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128),
-        dict(max_concurrent_steps=3, block_kv=64)])
+        dict(max_concurrent_steps=3, block_kv=64), dict(num_programs=3),
+        dict(num_programs=1000)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
         check(case, jnp.bfloat16, HopperPrefillConfig(**config))

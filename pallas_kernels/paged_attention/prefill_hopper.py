@@ -1,27 +1,30 @@
 """Paged prefill attention for Hopper in Pallas' Mosaic GPU backend (TMA, wgmma, warpgroups).
 
-Same contract as :func:`paged_attention_prefill` (no sliding window, 2-byte pools). A program
-owns one query head and 2 x block_q consecutive tokens of one sequence (a query block of
-:func:`query_blocks`); three warpgroups run it:
+Same contract as :func:`paged_attention_prefill` (no sliding window, 2-byte pools). A work
+item is one query head and 2 x block_q consecutive tokens of one sequence (a query block of
+:func:`query_blocks`); one program per SM stays resident and takes items in turn, the blocks
+with the most keys first, and three warpgroups run each item:
 
     wg 0, 1   compute: rows [w block_q, (w + 1) block_q) of the block; S = Q K^T and O += P V
               with wgmma, online softmax in registers; keys below every row's position
               unmasked, the rest under the causal mask
     wg 2      memory: each step's block_kv keys as block_kv / page_size page copies (TMA) per
               K and V into a ring of max_concurrent_steps slots, a slot refilled once both
-              compute warpgroups have consumed it
+              compute warpgroups have consumed it; the ring runs on across items, so the next
+              item's first keys load while this one's last are used
 
 q is read in place (padded by one block's rows so that a block's box never leaves it) and
 each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
 ragged), so another sequence's rows are never written and memory stays proportional to the
-tokens. Blocks of no query (a sequence slot without one, or a decode skipped for the decode
-kernel) cost a program that waits for nothing and stores nothing.
+tokens. Blocks of no query (a sequence slot without one, a decode skipped for the decode
+kernel) are no item: a program each, as a grid of (heads, blocks) gave them, cost the engine's
+mixed step (1,024 slots) more than the kernel saved (benchmarks/RESULTS.md, 2026-12-03), and
+in a long causal chunk the heaviest blocks, last in token order, ran last.
 
-Status (tests/test_prefill_hopper.py): lowered for an H200 on CPU, and run against the
-reference by JAX's GPU interpreter on CPU (warpgroups, barriers and page copies as written,
-the two products as register dots); not compiled or run on a GPU yet. The engine runs it only
-when asked: attention backend "pallas_mosaic" (``--attention-backend``), through
-:func:`paged_attention_mixed`'s ``prefill_kernel="mosaic"``.
+Status (tests/test_prefill_hopper.py): run against the reference by JAX's GPU interpreter on
+CPU (warpgroups, barriers and page copies as written, the two products as register dots) and
+on an H200. The engine runs it only when asked: attention backend "pallas_mosaic"
+(``--attention-backend``), through :func:`paged_attention_mixed`'s ``prefill_kernel="mosaic"``.
 Issue 17's evidence for it: JAX's own Mosaic GPU attention reached 71-82% of the H200's matmul
 rate on 2k x 4k / 2k x 10k unmasked, ours (Triton) 30-37% (benchmarks/RESULTS.md, 2026-12-03).
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
@@ -49,6 +52,9 @@ class HopperPrefillConfig:
     block_q: int = 64  # rows per compute warpgroup (a program: 2 x block_q tokens)
     block_kv: int = 128  # keys per step: whole pages
     max_concurrent_steps: int = 2  # K/V slots in flight
+    # Resident programs, each taking work items in turn (None: as many as the device runs at
+    # once, from its SM count; 2 under the interpreter).
+    num_programs: int | None = None
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64:
@@ -56,6 +62,8 @@ class HopperPrefillConfig:
                              "multiples of 64 (wgmma tiles)")
         if self.max_concurrent_steps < 2:  # one slot: the two warpgroups would deadlock
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+        if self.num_programs is not None and self.num_programs < 1:
+            raise ValueError(f"num_programs={self.num_programs} must be >= 1")
 
 
 HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one block may take on sm_90
@@ -87,173 +95,207 @@ def unsupported(q: jax.Array, k_pool: jax.Array, sliding_window: int | None,
     return None
 
 
-def _kernel(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped, *, scale_log2: float,
-            block_q: int, block_kv: int, block_size: int, steps_in_flight: int, group: int,
+H200_SMS = 132
+
+
+def _resident_programs(interpret) -> int:
+    """One block per SM: the compute warpgroups' 232 registers a thread take the register
+    file. Under the interpreter 2, so that programs take several items each."""
+    if interpret:
+        return 2
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    return getattr(gpus[0], "core_count", H200_SMS) if gpus else H200_SMS
+
+
+def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
+            scale_log2: float, block_q: int, block_kv: int, block_size: int,
+            steps_in_flight: int, group: int, num_q_heads: int, num_programs: int,
             table_width: int, interpret: bool):
-    head = lax.axis_index("heads")
-    blk = lax.axis_index("blocks")
+    program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
     (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
     pages_per_step = block_kv // block_size
     head_dim = k_ref.shape[-1]
     dtype = q_ref.dtype
 
-    t0 = meta_ref[blk, 0]  # the block's first token
-    pos0 = meta_ref[blk, 1]  # its position
-    kv_len = meta_ref[blk, 2]  # keys its last row sees (0: padding, whose rows are 0)
-    num_rows = meta_ref[blk, 3]  # its tokens (0: nothing to store)
-    block_steps = pl.cdiv(kv_len, jnp.int32(block_kv))
+    # Work items (query block, head), heads fastest, the heaviest blocks first: round r gives
+    # the programs items [r P, (r + 1) P), every other round in reverse order, so that the
+    # sums of items' steps the programs get stay close (the items are sorted by cost).
+    num_items = items_ref[0]
+    full_rounds = lax.div(num_items, jnp.int32(num_programs))
+    lane = lambda r: jnp.where(lax.rem(r, 2) == 0, program, num_programs - 1 - program)
+    rounds = full_rounds + (lane(full_rounds) < num_items - full_rounds * num_programs)
+
+    def item(r):  # (block, head, the block's K/V steps)
+        i = r * num_programs + lane(r)
+        blk = lax.div(i, jnp.int32(num_q_heads))
+        return blk, lax.rem(i, jnp.int32(num_q_heads)), pl.cdiv(meta_ref[blk, 2],
+                                                                jnp.int32(block_kv))
+
+    def slot_of(step):  # the ring slot a K/V step fills (steps counted over all items)
+        return lax.rem(step, jnp.int32(steps_in_flight))
 
     def take_turn():  # the two compute warpgroups take the tensor cores in turn
         plgpu.barrier_arrive(turn)
         plgpu.barrier_wait(turn)
 
-    def slot_of(step):  # the ring slot a K/V step fills
-        return lax.rem(step, jnp.int32(steps_in_flight))
-
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         row0 = wg * block_q  # the warpgroup's first row within the block
-        columns = pl.ds(head * head_dim, head_dim)  # q and the output are [T, Hq D]
-        # Into untiled shared memory (a tiled one needs the block's first token a multiple of
-        # 8), then registers: wgmma's A operand.
-        q_smem = qo_smem2.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + row0, block_q), columns], q_smem,
-                                q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
-        # Keys this warpgroup's rows see: up to its last row's position, within the block's.
-        wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
-        steps = jnp.where(kv_len > 0, pl.cdiv(wg_keys, jnp.int32(block_kv)), 0)
-        # Keys every row sees (at or below its first row's position) need no mask.
-        unmasked = jnp.minimum(lax.div(pos0 + row0 + 1, jnp.int32(block_kv)), steps)
+        q_smem = qo_smem2.at[wg]  # q, then the output
 
-        m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA)
+        def one_item(r, first_step):
+            blk, head, block_steps = item(r)
+            t0 = meta_ref[blk, 0]  # the block's first token
+            pos0 = meta_ref[blk, 1]  # its position
+            kv_len = meta_ref[blk, 2]  # keys its last row sees (0: padding, whose rows are 0)
+            num_rows = meta_ref[blk, 3]  # its tokens
+            columns = pl.ds(head * head_dim, head_dim)  # q and the output are [T, Hq D]
+            # Into untiled shared memory (a tiled one needs the block's first token a multiple
+            # of 8), then registers: wgmma's A operand.
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + row0, block_q), columns], q_smem,
+                                    q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+            # Keys this warpgroup's rows see: up to its last row's position, within the
+            # block's.
+            wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
+            steps = jnp.where(kv_len > 0, pl.cdiv(wg_keys, jnp.int32(block_kv)), 0)
+            # Keys every row sees (at or below its first row's position) need no mask.
+            unmasked = jnp.minimum(lax.div(pos0 + row0 + 1, jnp.int32(block_kv)), steps)
 
-        @pl.when(wg == 1)
-        def _():
-            take_turn()
+            m_i = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            l_i = plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((block_q, head_dim), 0.0, jnp.float32),
+                                    plgpu.Layout.WGMMA)
 
-        def kv_step(step, carry, masked: bool):
-            acc, m_i, l_i = carry
-            slot = slot_of(step)
-            plgpu.barrier_wait(k_ready.at[slot])
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+            @pl.when(wg == 1)
+            def _():
                 take_turn()
-                return acc_ref[...]
 
-            if interpret:  # JAX's GPU interpreter has no wgmma: the same product in registers
-                s = jnp.dot(q, k_smem.at[slot][...].T,
-                            preferred_element_type=jnp.float32)
+            def kv_step(step, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = slot_of(first_step + step)
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                if interpret:  # JAX's GPU interpreter has no wgmma: the product in registers
+                    s = jnp.dot(q, k_smem.at[slot][...].T,
+                                preferred_element_type=jnp.float32)
+                    take_turn()
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * scale_log2
+                if masked:
+                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                                  layout=plgpu.Layout.WGMMA)
+                    keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                                  layout=plgpu.Layout.WGMMA)
+                    s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                if interpret:
+                    acc = acc + jnp.dot(p16, v_smem.at[slot][...],
+                                        preferred_element_type=jnp.float32)
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            carry = lax.fori_loop(0, unmasked, functools.partial(kv_step, masked=False),
+                                  (acc, m_i, l_i))
+            acc, m_i, l_i = lax.fori_loop(unmasked, steps,
+                                          functools.partial(kv_step, masked=True), carry)
+
+            def drain(step, _):
+                # Steps only the other warpgroup needs: each is waited for before it is
+                # released, so that a release never counts towards a slot's earlier fill (the
+                # memory warpgroup would overwrite a slot still being read).
+                slot = slot_of(first_step + step)
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
                 take_turn()
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
-            s = s * scale_log2
-            if masked:
-                rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                              layout=plgpu.Layout.WGMMA)
-                keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                              layout=plgpu.Layout.WGMMA)
-                s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            plgpu.barrier_wait(v_ready.at[slot])
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            lax.fori_loop(steps, block_steps, drain, None)
 
-            if interpret:
-                acc = acc + jnp.dot(p16, v_smem.at[slot][...],
-                                    preferred_element_type=jnp.float32)
-            else:
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
+            @pl.when(wg == 0)
+            def _():
+                take_turn()
 
-        carry = lax.fori_loop(0, unmasked, functools.partial(kv_step, masked=False),
-                              (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(unmasked, steps, functools.partial(kv_step, masked=True),
-                                      carry)
+            # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
+            inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            q_smem[...] = acc.astype(dtype)  # untiled: stores start anywhere
+            plgpu.commit_smem()
+            # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set
+            # bit).
+            rows = jnp.clip(num_rows - row0, 0, block_q)
+            start = rows & 0  # traced (a constant start fails to lower with the traced ones)
+            size = 1 << (block_q.bit_length() - 1)
+            while size:
+                @pl.when(rows & size != 0)
+                def _(size=size, start=start):
+                    plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(start, size)],
+                                            out_ref.at[pl.ds(t0 + row0 + start, size), columns])
+                start = start + (rows & size)
+                size //= 2
+            plgpu.wait_smem_to_gmem(0)  # before the next item's q overwrites the rows
+            return first_step + block_steps
 
-        def drain(step, _):
-            # Steps only the other warpgroup needs: each is waited for before it is released,
-            # so that a release never counts towards a slot's earlier fill (the memory
-            # warpgroup would overwrite a slot still being read).
-            slot = slot_of(step)
-            plgpu.barrier_wait(k_ready.at[slot])
-            plgpu.barrier_arrive(k_free.at[slot])
-            plgpu.barrier_wait(v_ready.at[slot])
-            plgpu.barrier_arrive(v_free.at[slot])
-            take_turn()
-
-        lax.fori_loop(steps, block_steps, drain, None)
-
-        @pl.when(wg == 0)
-        def _():
-            take_turn()
-
-        # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
-        inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
-        acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-        o_smem = qo_smem2.at[wg]  # q's, long since in registers; untiled: stores start anywhere
-        o_smem[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set bit).
-        rows = jnp.clip(num_rows - row0, 0, block_q)
-        start = rows & 0  # traced (a constant start fails to lower with the traced ones)
-        size = 1 << (block_q.bit_length() - 1)
-        while size:
-            @pl.when(rows & size != 0)
-            def _(size=size, start=start):
-                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(start, size)],
-                                        out_ref.at[pl.ds(t0 + row0 + start, size), columns])
-            start = start + (rows & size)
-            size //= 2
-        plgpu.wait_smem_to_gmem(0)
+        lax.fori_loop(0, rounds, one_item, jnp.int32(0))
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
-
-        def load(step, slot):
-            for i in range(pages_per_step):
-                column = jnp.minimum(step * pages_per_step + i, table_width - 1)
-                page = tables_ref[blk, column]
-                rows = pl.ds(i * block_size, block_size)
-                plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows],
-                                        k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows],
-                                        v_ready.at[slot])
-
-        for s in range(steps_in_flight):
-            pl.when(s < block_steps)(functools.partial(load, s, s))
 
         def released(step):  # both compute warpgroups are done with this step's slot
             plgpu.barrier_wait(k_free.at[slot_of(step)])
             plgpu.barrier_wait(v_free.at[slot_of(step)])
 
-        @pl.loop(steps_in_flight, jnp.maximum(block_steps, steps_in_flight))
-        def _(step):
-            released(step - steps_in_flight)
-            load(step, slot_of(step))
+        def one_item(r, first_step):
+            blk, head, block_steps = item(r)
+            kv_head = lax.div(head, jnp.int32(group))
 
+            @pl.loop(0, block_steps)
+            def _(step):
+                fill = first_step + step
+                # The slot's previous fill, possibly an earlier item's: released first.
+                pl.when(fill >= steps_in_flight)(lambda: released(fill - steps_in_flight))
+                slot = slot_of(fill)
+                for i in range(pages_per_step):
+                    column = jnp.minimum(step * pages_per_step + i, table_width - 1)
+                    page = tables_ref[blk, column]
+                    rows = pl.ds(i * block_size, block_size)
+                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows],
+                                            k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows],
+                                            v_ready.at[slot])
+
+            return first_step + block_steps
+
+        fills = lax.fori_loop(0, rounds, one_item, jnp.int32(0))
         # The last fills' releases too: a barrier left with phases its waiter never saw is
         # what JAX's GPU interpreter refuses at its deallocation.
-        pl.loop(jnp.maximum(block_steps - steps_in_flight, 0), block_steps)(released)
+        pl.loop(jnp.maximum(fills - steps_in_flight, 0), fills)(released)
 
 
 def paged_attention_prefill_hopper(
@@ -289,7 +331,8 @@ def paged_attention_prefill_hopper(
     num_seqs, table_width = block_tables.shape
     rows = 2 * config.block_q
     bseq, bt0, bt1 = query_blocks(query_start_loc, num_tokens, rows, skip_single_token_seqs)
-    num_blocks = bseq.shape[0]
+    num_programs = min(config.num_programs or _resident_programs(interpret),
+                       bseq.shape[0] * num_q_heads)
     first = jnp.clip(bt0, 0, num_tokens - 1)
     pos0 = positions[first]
     num_rows = jnp.maximum(bt1 - bt0, 0)
@@ -297,9 +340,15 @@ def paged_attention_prefill_hopper(
     # Keys the block's last row sees; 0 for the padding tail's blocks (pseudo-sequence S).
     kv_len = jnp.where((bseq < num_seqs) & (num_rows > 0),
                        jnp.minimum(seq_lens[seq], pos0 + num_rows), 0)
-    meta = jnp.stack([first, pos0, kv_len, num_rows], axis=1).astype(jnp.int32)  # [QB, 4]
+    # The blocks with rows to store, the most keys first (see the kernel's rounds); the rest
+    # (skipped decodes, unused bounds) are no program's items.
+    busy = num_rows > 0
+    order = jnp.argsort(jnp.where(busy, -1 - kv_len, 0), stable=True)
+    meta = jnp.stack([first, pos0, kv_len, num_rows], axis=1).astype(jnp.int32)[order]  # [QB, 4]
+    num_items = (jnp.sum(busy) * num_q_heads).astype(jnp.int32).reshape(1)  # [1]
     layer = jnp.asarray(layer, jnp.int32)
-    tables = block_tables[seq].astype(jnp.int32) + layer * num_pages  # [QB, W] flat page ids
+    # [QB, W] flat page ids
+    tables = block_tables[seq[order]].astype(jnp.int32) + layer * num_pages
     flat = lambda pool: pool.reshape(layers * num_pages, block_size, num_kv_heads, head_dim)
     # [T + rows, Hq D]: a block's box never leaves it; rows as 2-D boxes (a squeezed head
     # axis with a traced row start fails JAX 0.11.2's layout inference).
@@ -309,7 +358,7 @@ def paged_attention_prefill_hopper(
     pages_per_step = config.block_kv // block_size
     tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def entry(meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref):
+    def entry(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref):
         buffers = (
             plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # q, then the output; untiled
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
@@ -323,22 +372,23 @@ def paged_attention_prefill_hopper(
         free = (plgpu.Barrier(num_arrivals=2, num_barriers=steps_in_flight),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
-                meta_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, scoped,
+                meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scoped,
                 scale_log2=scale * common.LOG2E, block_q=config.block_q,
                 block_kv=config.block_kv, block_size=block_size,
                 steps_in_flight=steps_in_flight, group=num_q_heads // num_kv_heads,
-                table_width=table_width, interpret=bool(interpret)),
+                num_q_heads=num_q_heads, num_programs=num_programs, table_width=table_width,
+                interpret=bool(interpret)),
             buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct((num_tokens, num_q_heads * head_dim), q.dtype),
-        grid=(num_q_heads, num_blocks),
-        grid_names=("heads", "blocks"),
+        grid=(num_programs,),
+        grid_names=("programs",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **({"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
            if interpret else {}),
-    )(meta, tables, q_padded, flat(k_pool), flat(v_pool))
+    )(meta, tables, num_items, q_padded, flat(k_pool), flat(v_pool))
     return out.reshape(q.shape)
