@@ -19,8 +19,8 @@ steps() {
   # shellcheck disable=SC2086
   {
     step h0_hopper_tests 60 240 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-      tests/test_prefill_hopper.py tests/test_paged_attention_generation.py -k "Hopper or hopper"
-    step h1_kernels_hopper 60 150 $PY -m jaxllm.benchmarks.kernels --acceptance \
+      tests/test_prefill_hopper.py tests/test_paged_attention_generation.py -k "${H0_K:-Hopper or hopper}"
+    step h1_kernels_hopper 60 220 $PY -m jaxllm.benchmarks.kernels --acceptance \
       --dispatch-included --no-jax --no-sweep --no-prefill-sweep --no-prefill-reference --hopper \
       --budget-s 100 --out "$DIR/h1_kernels_hopper.json"
     if [ -f "$DIR/failed" ]; then echo "a step failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi

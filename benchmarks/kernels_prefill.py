@@ -38,8 +38,7 @@ def _prefill_name(c: PrefillConfig) -> str:
 # its shared memory at head_dim 128.
 HOPPER_CONFIGS = {
     "hopper": HopperPrefillConfig(),
-    "hopper_s3": HopperPrefillConfig(max_concurrent_steps=3),
-    "hopper_q128": HopperPrefillConfig(block_q=128),
+    "hopper_s2": HopperPrefillConfig(max_concurrent_steps=2),
     "hopper_kv64_s4": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4),
 }
 # Every field spelled out: a name stays true when the defaults change.

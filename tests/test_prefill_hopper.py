@@ -83,7 +83,8 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
     too_big = HopperPrefillConfig(block_q=128, max_concurrent_steps=3)
     assert smem_bytes(too_big, 128, 2) == 256 * 1024
     assert "shared memory" in unsupported(q, pool, None, too_big)
-    assert unsupported(q, pool, None, HopperPrefillConfig(block_q=128)) is None
+    assert unsupported(q, pool, None, HopperPrefillConfig(block_q=128,
+                                                          max_concurrent_steps=2)) is None
     with pytest.raises(ValueError, match="sliding"):
         case = finite_case([(0, 5)], "llama3_8b", 16, jnp.bfloat16)
         paged_attention_prefill_hopper(*case.args, scale=case.scale, sliding_window=8)
@@ -152,8 +153,9 @@ class TestHopperPrefillGPU:
         check(finite_case([(cached, 2048)], "llama3_8b", 16, jnp.bfloat16), jnp.bfloat16)
 
     @pytest.mark.parametrize("config", [
-        dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128),
-        dict(max_concurrent_steps=3, block_kv=64), dict(num_programs=3),
+        dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128, max_concurrent_steps=2),
+        dict(max_concurrent_steps=2), dict(max_concurrent_steps=4, block_kv=64),
+        dict(num_programs=3),
         dict(num_programs=1000)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
