@@ -34,11 +34,10 @@ def _prefill_name(c: PrefillConfig) -> str:
             + ("_heavy" if c.heavy_first else ""))
 
 
-# The Hopper kernel's default first ("hopper": the table's column), then variants that fit
+# The Hopper kernel's default first ("hopper": the table's column), then a variant that fits
 # its shared memory at head_dim 128.
 HOPPER_CONFIGS = {
     "hopper": HopperPrefillConfig(),
-    "hopper_s2": HopperPrefillConfig(max_concurrent_steps=2),
     "hopper_kv64_s4": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4),
 }
 # Every field spelled out: a name stays true when the defaults change.
