@@ -12,7 +12,10 @@
   wgmma) in place of the Triton one wherever it takes the operands; needs compute capability
   9.0. "pallas_mosaic_interpret": the same on CPU (JAX's GPU interpreter runs the Hopper
   kernel).
-- "auto": "pallas" on GPU, "reference" elsewhere.
+- "auto": "pallas_mosaic" on a Hopper GPU, "pallas" on another GPU, "reference" elsewhere.
+  On the H200 the Hopper kernel ran 2k-token chunks over 0 / 2k / 8k cached tokens at 1.5 /
+  1.65 / 1.6x the Triton kernel's rate and the 8B offline run's mixed steps 2.5% faster; its
+  programs take longer to compile (the offline run's cold start: ~60 s more).
 
 Under tensor parallelism (a ``mesh`` with a ``tp`` axis) the K/V write and the attention run
 per shard in ``jax.shard_map``: each device sees its own query and KV heads and its heads'
@@ -47,17 +50,23 @@ def resolve_backend(backend: str) -> str:
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r} must be one of {ATTENTION_BACKENDS}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        if jax.default_backend() != "gpu":
+            return "reference"
+        return "pallas_mosaic" if _compute_capability() == HOPPER else "pallas"
     if backend in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"attention backend {backend!r} needs a GPU (this platform: "
                          f"{jax.default_backend()}); its interpreted form is "
                          f"{backend + '_interpret'!r}")
     if backend == "pallas_mosaic":
-        capability = getattr(jax.devices()[0], "compute_capability", None)
+        capability = _compute_capability()
         if capability != HOPPER:
             raise ValueError(f"attention backend 'pallas_mosaic' needs a Hopper GPU (compute "
                              f"capability {HOPPER}); this one has {capability}")
     return backend
+
+
+def _compute_capability() -> str | None:
+    return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def is_decode_batch(q: jax.Array, batch: BatchMetadata) -> bool:

@@ -199,9 +199,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
                         help="unrolled layer stack over a per-layer KV pool (default: on GPU, "
                         "where a looped stack's launch blocks the host; off elsewhere)")
     engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="auto: the Pallas (Triton) kernels on GPU, the XLA reference "
-                        "elsewhere; pallas_mosaic: the Hopper prefill kernel (Mosaic GPU) in "
-                        "place of the Triton one (needs compute capability 9.0)")
+                        help="auto: pallas_mosaic on a Hopper GPU, pallas on another GPU, the "
+                        "XLA reference elsewhere; pallas: the Pallas (Triton) kernels; "
+                        "pallas_mosaic: the Hopper prefill kernel (Mosaic GPU) in place of the "
+                        "Triton one (needs compute capability 9.0)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="compile step shapes on first use instead of warming them all up")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -254,8 +254,10 @@ def batch_of(case) -> tuple[jax.Array, KVPool, BatchMetadata]:
     return q, KVPool(k, v), case.batch
 
 
-def test_auto_backend_is_reference_on_cpu_and_pallas_on_gpu():
-    assert resolve_backend("auto") == ("pallas" if ON_GPU else "reference")
+def test_auto_backend_is_reference_on_cpu_the_hopper_kernels_on_hopper_and_triton_elsewhere():
+    hopper = ON_GPU and getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+    assert resolve_backend("auto") == (
+        "pallas_mosaic" if hopper else "pallas" if ON_GPU else "reference")
     with pytest.raises(ValueError, match="must be one of"):
         resolve_backend("triton")
 
