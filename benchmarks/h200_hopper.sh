@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 (chain for benchmarks/gpu_chain.sh): the Mosaic GPU prefill kernel's first run.
 #   h0  its GPU tests against the reference (a barrier mistake would hang: the limit ends it)
-#       and greedy generation through backend pallas_mosaic (the chain stops if any fails)
+#       and greedy generation through backend pallas_mosaic (the chain stops if any fails);
+#       H0_K=<pytest -k expression> runs a subset
 #   h1  kernels: 2k chunks over 0 / 2k / 8k cached tokens, the Triton default and the Hopper
 #       kernel side by side against the matmul rate (decode's acceptance point too)
 #   h2  offline sharegpt-like, 1000 prompts, 1024 / 8192, every step against its floor, with
