@@ -21,7 +21,7 @@ steps() {
   {
     step h0_hopper_tests 60 240 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
       tests/test_prefill_hopper.py tests/test_paged_attention_generation.py -k "${H0_K:-Hopper or hopper}"
-    step h1_kernels_hopper 60 200 $PY -m jaxllm.benchmarks.kernels --acceptance \
+    step h1_kernels_hopper 60 280 $PY -m jaxllm.benchmarks.kernels --acceptance \
       --dispatch-included --no-jax --no-sweep --no-prefill-sweep --no-prefill-reference --hopper \
       --budget-s 100 --out "$DIR/h1_kernels_hopper.json"
     if [ -f "$DIR/failed" ]; then echo "a step failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi

@@ -34,11 +34,14 @@ def _prefill_name(c: PrefillConfig) -> str:
             + ("_heavy" if c.heavy_first else ""))
 
 
-# The Hopper kernel's default first ("hopper": the table's column), then a variant that fits
+# The Hopper kernel's default first ("hopper": the table's column), then variants that fit
 # its shared memory at head_dim 128.
 HOPPER_CONFIGS = {
     "hopper": HopperPrefillConfig(),
     "hopper_kv64_s4": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4),
+    "hopper_kv64_s4_prefetch": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4,
+                                                   prefetch_q=True),
+    "hopper_s2_prefetch": HopperPrefillConfig(max_concurrent_steps=2, prefetch_q=True),
 }
 # Every field spelled out: a name stays true when the defaults change.
 PREFILL_SWEEP = {_prefill_name(c): c for c in [

@@ -85,13 +85,20 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
     assert "shared memory" in unsupported(q, pool, None, too_big)
     assert unsupported(q, pool, None, HopperPrefillConfig(block_q=128,
                                                           max_concurrent_steps=2)) is None
+    # A second q buffer a warpgroup: 32 KiB more, past the block with 3 slots of 128 keys.
+    assert smem_bytes(HopperPrefillConfig(prefetch_q=True), 128, 2) == 256 * 1024
+    assert "shared memory" in unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True))
+    assert unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True,
+                                                          max_concurrent_steps=2)) is None
     with pytest.raises(ValueError, match="sliding"):
         case = finite_case([(0, 5)], "llama3_8b", 16, jnp.bfloat16)
         paged_attention_prefill_hopper(*case.args, scale=case.scale, sliding_window=8)
 
 
-@pytest.mark.parametrize("heads", ["llama3_8b", "llama2_7b"])
-def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
+@pytest.mark.parametrize("heads,config", [
+    ("llama3_8b", None), ("llama2_7b", None),
+    ("llama3_8b", HopperPrefillConfig(block_kv=64, max_concurrent_steps=4, prefetch_q=True))])
+def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads, config):
     """The whole kernel (warpgroups, TMA page copies, wgmma, barriers) lowered for sm_90a on
     a machine without a GPU: what the CPU can check before a GPU compiles it."""
     from jax.sharding import AbstractDevice, AbstractMesh
@@ -104,19 +111,21 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads):
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
     with jax.sharding.use_abstract_mesh(h200):
-        traced = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=0.1)).trace(
-            *args)
+        traced = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=0.1,
+                                           config=config)).trace(*args)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
-def test_interpreted_kernel_equals_reference():
+@pytest.mark.parametrize("prefetch_q", [False, True], ids=["", "prefetch_q"])
+def test_interpreted_kernel_equals_reference(prefetch_q):
     """One group of heads in 64-key steps, so that the sequences take several: slots
     refilled, within an item and across the items a program takes in turn (two programs),
     and a fresh 128-token prompt whose first warpgroup needs one step where the second needs
-    two (the first releases the other's)."""
+    two (the first releases the other's). With ``prefetch_q`` each item's q arrives in the
+    buffer the item before last stored its output from."""
     check(finite_case([(0, 128), (260, 70)], GROUP_OF_3, 16, jnp.bfloat16), jnp.bfloat16,
-          HopperPrefillConfig(block_kv=64), interpret=True)
+          HopperPrefillConfig(block_kv=64, prefetch_q=prefetch_q), interpret=True)
 
 
 def test_interpreter_finds_no_race_where_no_slot_is_refilled():
@@ -155,7 +164,8 @@ class TestHopperPrefillGPU:
     @pytest.mark.parametrize("config", [
         dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128, max_concurrent_steps=2),
         dict(max_concurrent_steps=2), dict(max_concurrent_steps=4, block_kv=64),
-        dict(num_programs=3),
+        dict(num_programs=3), dict(prefetch_q=True, max_concurrent_steps=2),
+        dict(prefetch_q=True, block_kv=64, max_concurrent_steps=4, num_programs=3),
         dict(num_programs=1000)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)

@@ -58,6 +58,10 @@ class HopperPrefillConfig:
     # Resident programs, each taking work items in turn (None: as many as the device runs at
     # once, from its SM count; 2 under the interpreter).
     num_programs: int | None = None
+    # Two q buffers a warpgroup: the next item's q loads under this item's steps, and the
+    # warpgroups go on once their output rows are read, not written. Opt-in until timed on a
+    # GPU (+32 KiB at block_q 64: not with 3 slots of 128 keys).
+    prefetch_q: bool = False
 
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64:
@@ -74,7 +78,8 @@ HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one block may take on sm_90
 
 def smem_bytes(config: HopperPrefillConfig, head_dim: int, itemsize: int) -> int:
     """The kernel's buffers: both warpgroups' q (then output) rows and the K and V rings."""
-    rows = 2 * config.block_q + 2 * config.max_concurrent_steps * config.block_kv
+    q_buffers = 2 if config.prefetch_q else 1
+    rows = 2 * config.block_q * q_buffers + 2 * config.max_concurrent_steps * config.block_kv
     return rows * head_dim * itemsize
 
 
@@ -113,7 +118,7 @@ def _resident_programs(interpret) -> int:
 def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
             scale_log2: float, block_q: int, block_kv: int, block_size: int,
             steps_in_flight: int, group: int, num_q_heads: int, num_programs: int,
-            table_width: int, interpret: bool):
+            table_width: int, prefetch_q: bool, interpret: bool):
     program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
     (qo_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
@@ -146,7 +151,19 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
     def _compute():
         plgpu.set_max_registers(232, action="increase")
         row0 = wg * block_q  # the warpgroup's first row within the block
-        q_smem = qo_smem2.at[wg]  # q, then the output
+
+        def q_buffer(buf):  # (smem rows, their barrier)
+            if not prefetch_q:
+                return qo_smem2.at[wg], q_ready.at[wg]
+            return qo_smem2.at[wg, buf], q_ready.at[2 * wg + buf]
+
+        def load_q(r, buf):
+            # Into untiled shared memory (a tiled one needs the block's first token a multiple
+            # of 8), then registers: wgmma's A operand.
+            blk, head, _ = item(r)
+            rows = q_ref.at[pl.ds(meta_ref[blk, 0] + row0, block_q),
+                            pl.ds(head * head_dim, head_dim)]  # q is [T, Hq D]
+            plgpu.copy_gmem_to_smem(rows, *q_buffer(buf))
 
         def one_item(r, first_step):
             blk, head, block_steps = item(r)
@@ -154,13 +171,19 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             pos0 = meta_ref[blk, 1]  # its position
             kv_len = meta_ref[blk, 2]  # keys its last row sees (0: padding, whose rows are 0)
             num_rows = meta_ref[blk, 3]  # its tokens
-            columns = pl.ds(head * head_dim, head_dim)  # q and the output are [T, Hq D]
-            # Into untiled shared memory (a tiled one needs the block's first token a multiple
-            # of 8), then registers: wgmma's A operand.
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + row0, block_q), columns], q_smem,
-                                    q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
+            columns = pl.ds(head * head_dim, head_dim)  # the output is [T, Hq D]
+            buf = lax.rem(r, 2) if prefetch_q else 0
+            q_smem, q_arrived = q_buffer(buf)  # q, then the output
+            if not prefetch_q:
+                load_q(r, buf)
+            plgpu.barrier_wait(q_arrived)
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+            if prefetch_q:
+                @pl.when(r + 1 < rounds)
+                def _():
+                    # The other buffer holds the previous item's output: read before reuse.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    load_q(r + 1, 1 - buf)
             # Keys this warpgroup's rows see: up to its last row's position, within the
             # block's.
             wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
@@ -261,10 +284,15 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                                             out_ref.at[pl.ds(t0 + row0 + start, size), columns])
                 start = start + (rows & size)
                 size //= 2
-            plgpu.wait_smem_to_gmem(0)  # before the next item's q overwrites the rows
+            if not prefetch_q:
+                plgpu.wait_smem_to_gmem(0)  # before the next item's q overwrites the rows
             return first_step + block_steps
 
+        if prefetch_q:
+            pl.when(rounds > 0)(lambda: load_q(0, 0))
         lax.fori_loop(0, rounds, one_item, jnp.int32(0))
+        if prefetch_q:
+            plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
@@ -358,12 +386,16 @@ def paged_attention_prefill_hopper(
     q_padded = jnp.pad(q, ((0, rows), (0, 0), (0, 0))).reshape(-1, num_q_heads * head_dim)
 
     steps_in_flight = config.max_concurrent_steps
+    q_buffers = 2 if config.prefetch_q else 1
+    q_rows = (2, config.block_q, head_dim)  # per compute warpgroup
+    if config.prefetch_q:
+        q_rows = (2, 2, config.block_q, head_dim)  # and buffer
     pages_per_step = config.block_kv // block_size
     tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def entry(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref):
         buffers = (
-            plgpu.SMEM((2, config.block_q, head_dim), q.dtype),  # q, then the output; untiled
+            plgpu.SMEM(q_rows, q.dtype),  # q, then the output; untiled
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
                        transforms=tiling),
             plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
@@ -371,7 +403,7 @@ def paged_attention_prefill_hopper(
         )
         ready = (plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
                  plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
-                 plgpu.Barrier(num_barriers=2))
+                 plgpu.Barrier(num_barriers=2 * q_buffers))
         free = (plgpu.Barrier(num_arrivals=2, num_barriers=steps_in_flight),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
@@ -380,7 +412,7 @@ def paged_attention_prefill_hopper(
                 block_kv=config.block_kv, block_size=block_size,
                 steps_in_flight=steps_in_flight, group=num_q_heads // num_kv_heads,
                 num_q_heads=num_q_heads, num_programs=num_programs, table_width=table_width,
-                interpret=bool(interpret)),
+                prefetch_q=config.prefetch_q, interpret=bool(interpret)),
             buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
 
     out = plgpu.kernel(
