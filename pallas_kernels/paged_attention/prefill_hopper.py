@@ -63,6 +63,10 @@ class HopperPrefillConfig:
     # GPU (+32 KiB at block_q 64: not with 3 slots of 128 keys).
     prefetch_q: bool = False
 
+    @property
+    def q_buffers(self) -> int:  # q (then output) buffers a compute warpgroup
+        return 2 if self.prefetch_q else 1
+
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"block_q={self.block_q} and block_kv={self.block_kv} must be "
@@ -78,8 +82,7 @@ HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one block may take on sm_90
 
 def smem_bytes(config: HopperPrefillConfig, head_dim: int, itemsize: int) -> int:
     """The kernel's buffers: both warpgroups' q (then output) rows and the K and V rings."""
-    q_buffers = 2 if config.prefetch_q else 1
-    rows = 2 * config.block_q * q_buffers + 2 * config.max_concurrent_steps * config.block_kv
+    rows = 2 * config.block_q * config.q_buffers + 2 * config.max_concurrent_steps * config.block_kv
     return rows * head_dim * itemsize
 
 
@@ -157,10 +160,9 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 return qo_smem2.at[wg], q_ready.at[wg]
             return qo_smem2.at[wg, buf], q_ready.at[2 * wg + buf]
 
-        def load_q(r, buf):
+        def load_q(blk, head, buf):
             # Into untiled shared memory (a tiled one needs the block's first token a multiple
             # of 8), then registers: wgmma's A operand.
-            blk, head, _ = item(r)
             rows = q_ref.at[pl.ds(meta_ref[blk, 0] + row0, block_q),
                             pl.ds(head * head_dim, head_dim)]  # q is [T, Hq D]
             plgpu.copy_gmem_to_smem(rows, *q_buffer(buf))
@@ -175,7 +177,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             buf = lax.rem(r, 2) if prefetch_q else 0
             q_smem, q_arrived = q_buffer(buf)  # q, then the output
             if not prefetch_q:
-                load_q(r, buf)
+                load_q(blk, head, buf)
             plgpu.barrier_wait(q_arrived)
             q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
             if prefetch_q:
@@ -183,7 +185,8 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 def _():
                     # The other buffer holds the previous item's output: read before reuse.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    load_q(r + 1, 1 - buf)
+                    next_blk, next_head, _ = item(r + 1)
+                    load_q(next_blk, next_head, 1 - buf)
             # Keys this warpgroup's rows see: up to its last row's position, within the
             # block's.
             wg_keys = jnp.minimum(kv_len, pos0 + row0 + block_q)
@@ -289,7 +292,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             return first_step + block_steps
 
         if prefetch_q:
-            pl.when(rounds > 0)(lambda: load_q(0, 0))
+            pl.when(rounds > 0)(lambda: load_q(*item(0)[:2], 0))
         lax.fori_loop(0, rounds, one_item, jnp.int32(0))
         if prefetch_q:
             plgpu.wait_smem_to_gmem(0)
@@ -386,7 +389,6 @@ def paged_attention_prefill_hopper(
     q_padded = jnp.pad(q, ((0, rows), (0, 0), (0, 0))).reshape(-1, num_q_heads * head_dim)
 
     steps_in_flight = config.max_concurrent_steps
-    q_buffers = 2 if config.prefetch_q else 1
     q_rows = (2, config.block_q, head_dim)  # per compute warpgroup
     if config.prefetch_q:
         q_rows = (2, 2, config.block_q, head_dim)  # and buffer
@@ -403,7 +405,7 @@ def paged_attention_prefill_hopper(
         )
         ready = (plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
                  plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
-                 plgpu.Barrier(num_barriers=2 * q_buffers))
+                 plgpu.Barrier(num_barriers=2 * config.q_buffers))
         free = (plgpu.Barrier(num_arrivals=2, num_barriers=steps_in_flight),) * 2
         pl.run_scoped(
             lambda *scoped: _kernel(
