@@ -21,8 +21,9 @@
 #   call 1:   JAXLLM_COMMIT=<commit> BUDGET=960 bash benchmarks/h200_accept.sh start &&
 #             bash benchmarks/h200_accept.sh wait 560
 #   call 2:   bash benchmarks/h200_accept.sh wait 400
-#   ONLY17=1 in front of `start`: issue 17's goals alone (the Hopper prefill kernel's GPU tests,
-#   k1 with its configs instead of Triton's sweep, then l1, t1, s1, t2; no BEFORE tree): BUDGET=1300
+#   ONLY17=all in front of `start`: issue 17's goals alone (g0 the Hopper prefill kernel's GPU
+#   tests, k1 with its configs instead of Triton's sweep, then l1, t1, s1, t2; no BEFORE tree):
+#   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -84,23 +85,27 @@ steps() {
 # Issue 17's goals at the tree's defaults (attention backend auto: the Hopper prefill kernel on
 # the H200), the prefill kernel's configs timed beside Triton's default.
 only17() {
+  local only=" ${ONLY17/all/g0 k1 l1 t1 s1 t2} "
+  picked() { [[ $only == *" $1 "* ]]; }
   # shellcheck disable=SC2086
   {
-    step g0_hopper_tests 60 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+    picked g0 && step g0_hopper_tests 60 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
       tests/test_prefill_hopper.py tests/test_paged_attention_generation.py \
       -k "test_configs or long_chunk or hopper_prefill_kernel"
     if [ -f "$DIR/failed" ]; then echo "kernel checks failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi
-    step k1_kernels 90 280 $PY $KERNELS --budget-s 100 --no-prefill-sweep --no-prefill-reference \
+    picked k1 && step k1_kernels 90 280 $PY $KERNELS --budget-s 100 --no-prefill-sweep --no-prefill-reference \
       --hopper --out "$DIR/k1_kernels.json"
-    step l1_latency 50 100 $PY $LATENCY --output-json "$DIR/l1_latency.json"
-    step t1_sharegpt 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
+    picked l1 && step l1_latency 50 100 $PY $LATENCY --output-json "$DIR/l1_latency.json"
+    picked t1 && step t1_sharegpt 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
       --output-json "$DIR/t1_sharegpt.json"
     export -f served
-    step s1_served_defaults 150 300 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-8b DTYPE=bfloat16 \
-      N=1000 N_RATED=300 ENGINE='$SERVE_ENGINE' SERVE_FLAGS='$SERVE_FLAGS'; served s1 inf,10"
-    step t2_random 130 260 $PY $TIMELINE --dataset-name random --input-len 512 --output-len 128 \
-      --output-json "$DIR/t2_random.json"
+    picked s1 && step s1_served_defaults 150 300 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-8b \
+      DTYPE=bfloat16 N=1000 N_RATED=300 ENGINE='$SERVE_ENGINE' SERVE_FLAGS='$SERVE_FLAGS'; \
+      served s1 inf,10"
+    picked t2 && step t2_random 130 260 $PY $TIMELINE --dataset-name random --input-len 512 \
+      --output-len 128 --output-json "$DIR/t2_random.json"
   }
+  return 0
 }
 
 summary() {

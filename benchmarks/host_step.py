@@ -65,6 +65,7 @@ class GcTimer:
 
     def reset(self) -> None:
         self.by_generation = [[0, 0.0], [0, 0.0], [0, 0.0]]  # [collections, seconds]
+        self.longest = 0.0  # seconds of the longest collection
 
     @property
     def seconds(self) -> float:
@@ -79,8 +80,10 @@ class GcTimer:
             self._start = time.perf_counter()
         elif self.on:
             generation = self.by_generation[info["generation"]]
+            seconds = time.perf_counter() - self._start
             generation[0] += 1
-            generation[1] += time.perf_counter() - self._start
+            generation[1] += seconds
+            self.longest = max(self.longest, seconds)
 
 
 _CURRENT: list[collections.Counter] = []  # the engine being measured's totals

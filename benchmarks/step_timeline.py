@@ -326,6 +326,7 @@ def _print(bins: list[dict], totals: dict, result: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    from jaxllm.benchmarks.host_step import GcTimer
     from jaxllm.benchmarks.jax_backends import add_workload, make_engine
     from jaxllm.benchmarks.provenance import source_commit
     from jaxllm.benchmarks.throughput import _requests, load_jax_model
@@ -338,6 +339,8 @@ def run(args: argparse.Namespace) -> dict:
     recorder = StepRecorder(engine, model.config.sliding_window)
     steps_before = engine.stats.num_steps
 
+    gc_timer = GcTimer()  # a long collection is a step's stall the table cannot name
+    gc_timer.on = True
     start = time.perf_counter()  # as bench throughput: from adding the requests
     add_workload(engine, requests, args)
     produced = 0
@@ -345,6 +348,7 @@ def run(args: argparse.Namespace) -> dict:
         produced += sum(len(c.token_ids) for o in recorder.step() if o.finished
                         for c in o.outputs)
     wall = time.perf_counter() - start
+    gc_timer.on = False
 
     steps = derive(recorder.records, start, floor, args.wait_threshold_ms)
     bins, totals = summarize(steps, wall, args.row_bins, args.token_bins)
@@ -354,8 +358,12 @@ def run(args: argparse.Namespace) -> dict:
               "floor_model": dataclasses.asdict(floor), "ceilings": how,
               "args": {k: v for k, v in vars(args).items()
                        if isinstance(v, (int, float, str, bool, type(None), tuple))},
-              "bins": bins, "totals": totals, "steps": steps}
+              "bins": bins, "totals": totals, "steps": steps,
+              "gc": {"by_generation": gc_timer.by_generation, "seconds": gc_timer.seconds,
+                     "longest_s": gc_timer.longest}}
     _print(bins, totals, result)
+    print(f"garbage collections during the run: {gc_timer.collections}, "
+          f"{1e3 * gc_timer.seconds:.0f} ms in all, longest {1e3 * gc_timer.longest:.0f} ms")
     path = args.output_json or "step_timeline.json"
     with open(path, "w") as f:
         json.dump(result, f, indent=1)

@@ -197,31 +197,50 @@ def test_abort_and_finish_free_every_block(model):
 
 
 @pytest.mark.parametrize("unroll_layers", [False, True])
-def test_no_recompilation_after_warm_up(model, unroll_layers, tmp_path, caplog):
+def test_no_recompilation_after_warm_up(model, unroll_layers, tmp_path, caplog, monkeypatch):
+    from jaxllm.engine import model_runner
+
     # A compilation cache directory that cannot be used (here: a path through a file) is a
     # warning; the engine compiles without it.
     (tmp_path / "a-file").write_text("")
     cache_before = jax.config.jax_compilation_cache_dir
+    # Each program's first run at warm-up, as on a GPU: every forward bucket and sampler
+    # launched once, on empty batches that leave the pool as it was.
+    launched = []
+    launch_forward, launch_sampler = (model_runner.ModelRunner.launch_forward,
+                                      model_runner.ModelRunner.launch_sampler_packed)
+    monkeypatch.setattr(model_runner, "_runs_first_by_default", lambda: True)
+    monkeypatch.setattr(model_runner.ModelRunner, "launch_forward", lambda self, prepared, *a: (
+        launched.append(prepared.shape), launch_forward(self, prepared, *a))[1])
+    monkeypatch.setattr(model_runner.ModelRunner, "launch_sampler_packed", lambda self, f, key,
+                        md: (launched.append(key), launch_sampler(self, f, key, md))[1])
     engine = make_engine(model, **SMALL_POOL, enforce_eager=False, unroll_layers=unroll_layers,
                          compilation_cache_dir=str(tmp_path / "a-file" / "cache"))
     assert "cannot be used" in caplog.text and "without a persistent cache" in caplog.text
     assert jax.config.jax_compilation_cache_dir == cache_before
     runner = engine.runner
     compiled = runner.num_compilations
-    num_row_buckets = len({s.num_seqs for s in runner.buckets.all_shapes()})
-    assert compiled == len(runner.buckets.all_shapes()) + 3 * num_row_buckets
+    shapes = runner.buckets.all_shapes()
+    num_row_buckets = len({s.num_seqs for s in shapes})
+    assert compiled == len(shapes) + 3 * num_row_buckets
+    assert sorted(launched, key=repr) == sorted(
+        list(shapes) + list(runner._sample_exe), key=repr)  # each once
+    assert runner.num_forwards == runner.num_steps == 0
+    assert not any(np.asarray(x).any() for x in jax.tree.leaves(runner.kv_pool))
     traces = []
     listener = lambda name, *_, **__: traces.append(name) if "trace" in name else None
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         prompts, max_tokens = workload(12, seed=4)
         prompts = [p[:80] for p in prompts]
-        run_all(engine, prompts, max_tokens)
+        outputs = run_all(engine, prompts, max_tokens)
         run_all(engine, prompts[:3], [40, 2, 7])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert runner.num_compilations == compiled
     assert traces == []
+    for prompt, m, out in zip(prompts, max_tokens, outputs, strict=True):
+        assert out.outputs[0].token_ids == reference(tuple(prompt), m)
 
 
 def test_bad_requests_are_refused_with_clear_errors(model):

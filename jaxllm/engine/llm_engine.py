@@ -167,14 +167,16 @@ class LLMEngine(StepLauncher):
         self.startup_seconds = {"weights": loaded - start, "kv_cache": allocated - loaded,
                                 "warm_up": self.warm_up_seconds}
         warm = self.runner.warm_up_report or {"programs": 0, "cached": 0, "load_seconds": 0.0,
-                                              "compile_seconds": 0.0}
+                                              "compile_seconds": 0.0, "first_run_seconds": 0.0}
         logger.info("engine ready in %.1f s: weights %.1f s, KV cache and plan %.1f s, warm-up "
                     "%.1f s (%d step buckets, %d programs: %d loaded from the executable cache "
-                    "in %.1f s, %d compiled or read from the compile cache in %.1f s)",
+                    "in %.1f s, %d compiled or read from the compile cache in %.1f s, first "
+                    "runs %.1f s)",
                     time.perf_counter() - start, loaded - start, allocated - loaded,
                     self.warm_up_seconds, len(self.runner.buckets.all_shapes()),
                     warm["programs"], warm["cached"], warm["load_seconds"],
-                    warm["programs"] - warm["cached"], warm["compile_seconds"])
+                    warm["programs"] - warm["cached"], warm["compile_seconds"],
+                    warm["first_run_seconds"])
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt: str | None = None,

@@ -53,6 +53,13 @@ WARM_SAMPLER_VARIANTS = (SampleVariant(all_greedy=True, use_top_k_top_p=False),
 WARM_BITMASK_VARIANTS = tuple(v._replace(use_bitmask=True) for v in WARM_SAMPLER_VARIANTS)
 
 
+def _runs_first_by_default() -> bool:
+    """A GPU executable's first run loads its kernels and records XLA's command buffers: on
+    the H200 the first step of each bucket took 40-220 ms longer (~1 s of a 16 s offline
+    run, and the first requests' TTFT). A CPU program's first run costs nothing extra."""
+    return jax.devices()[0].platform != "cpu"
+
+
 @dataclasses.dataclass
 class StepResult:
     """Host copies of one step's samples, row order = ``SchedulerOutput.sample_rows``."""
@@ -177,9 +184,11 @@ class ModelRunner:
         self._put = jax.device_put if jax.process_count() == 1 else put_from_host
 
     # ------------------------------------------------------------------ warm-up
-    def warm_up(self, progress: bool = True, workers: int | None = None) -> float:
+    def warm_up(self, progress: bool = True, workers: int | None = None,
+                first_runs: bool | None = None) -> float:
         """Compiles every step bucket and sampler size ahead of time (compilation runs in
-        parallel threads: XLA releases the GIL); returns the seconds spent."""
+        parallel threads: XLA releases the GIL), then with ``first_runs`` (default: on
+        accelerators) launches each once; returns the seconds spent."""
         from concurrent.futures import ThreadPoolExecutor
 
         from tqdm.auto import tqdm
@@ -220,8 +229,28 @@ class ModelRunner:
         for size in sorted({_pad_to_power_of_two(s) for s in self.buckets.batch_sizes}):
             ids = np.zeros((size,), np.int32)  # block moves are padded as copy_blocks pads them
             self.kv_pool = self._programs.copy(self.kv_pool, ids, ids)
+        run_at = time.perf_counter()
+        if _runs_first_by_default() if first_runs is None else first_runs:
+            self._run_each_program_once(jobs)
         jax.block_until_ready(self.kv_pool)
+        self.warm_up_report["first_run_seconds"] = time.perf_counter() - run_at
         return time.perf_counter() - start
+
+    def _run_each_program_once(self, jobs: list) -> None:
+        """Launches every warm-up program once on an empty batch (its padded tokens write
+        nothing: the pool is unchanged), as a step would, so that no step pays a program's
+        first run."""
+        samplers = {key for build, key in jobs if build == self._sampler_executable}
+        results = []
+        for shape in self.buckets.all_shapes():
+            prepared = self.prepare_packed(shape, False, self._empty_metadata(shape), None)
+            launched = self.launch_forward(prepared)
+            for key in sorted((k for k in samplers if k[0] == shape.num_seqs), key=repr):
+                samplers.discard(key)
+                md = self._sampler_inputs(key)[2][1]
+                results.append(self.launch_sampler_packed(launched, key, md).tokens)
+        jax.block_until_ready(results)
+        self.num_forwards = self.num_steps = 0  # counted from the first real step
 
     def _count_compilation(self, exe) -> None:
         temp = int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
@@ -285,11 +314,14 @@ class ModelRunner:
                                      else self._sampler_inputs(arg))
         return self.executable_cache.key(name, args, static, self._program_context)
 
+    def _empty_metadata(self, shape: StepShape) -> BatchMetadata:
+        return pack_batch([], self.block_size, num_tokens=shape.num_tokens,
+                          num_seqs=shape.num_seqs, table_width=shape.table_width,
+                          num_logits=shape.num_seqs, decode_only=shape.is_decode)
+
     def _empty_batch(self, shape: StepShape) -> PackedBatch:
-        batch = pack_batch([], self.block_size, num_tokens=shape.num_tokens,
-                           num_seqs=shape.num_seqs, table_width=shape.table_width,
-                           num_logits=shape.num_seqs, decode_only=shape.is_decode)
-        return PackedBatch.pack(batch, np.full(shape.num_tokens, -1, np.int32))
+        return PackedBatch.pack(self._empty_metadata(shape),
+                                np.full(shape.num_tokens, -1, np.int32))
 
     # --------------------------------------------------------------------- step
     def prepare_forward(self, out: SchedulerOutput, pooling: bool = False) -> PreparedForward:
