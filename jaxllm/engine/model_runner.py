@@ -54,9 +54,10 @@ WARM_BITMASK_VARIANTS = tuple(v._replace(use_bitmask=True) for v in WARM_SAMPLER
 
 
 def _runs_first_by_default() -> bool:
-    """A GPU executable's first run loads its kernels and records XLA's command buffers: on
-    the H200 the first step of each bucket took 40-220 ms longer (~1 s of a 16 s offline
-    run, and the first requests' TTFT). A CPU program's first run costs nothing extra."""
+    """A GPU executable's first launch does first-time work (loading its kernels among it): on
+    the H200 the first step of each bucket took 40-220 ms longer than the next ones (~1 s of
+    a 16 s offline run, and the first requests' TTFT). A CPU program's costs nothing extra.
+    Every node of a multi-host engine warms up alike: the launches stay in step."""
     return jax.devices()[0].platform != "cpu"
 
 
