@@ -121,3 +121,35 @@ def test_convert_takes_dummy_weights(tmp_path, monkeypatch):
                      "--no-unroll-layers"]) == 0
     assert calls == [(SOURCE, "dummy")]
     assert load(out).config == load(SOURCE, dtype="float32").config
+
+
+def test_a_restore_in_groups_loads_every_leaf_under_a_progress_bar(tmp_path, monkeypatch,
+                                                                   capsys):
+    """The restore goes group by group (here a group a leaf, each a partial orbax restore of
+    its leaves) and reports its progress in GiB; every leaf comes back as written."""
+    from jaxllm.loading import orbax_checkpoint
+
+    out = str(tmp_path / "converted")
+    assert cli_main(["convert", SOURCE, out, "--dtype", "float32", "--no-unroll-layers"]) == 0
+    capsys.readouterr()
+    restores = []
+    groups = orbax_checkpoint.restore_groups
+    monkeypatch.setattr(orbax_checkpoint, "restore_groups",
+                        lambda leaves, size: restores.extend(groups(leaves, 1)) or restores)
+    got = jaxllm.load_model(out)
+    want = jaxllm.load_model(SOURCE, dtype="float32")
+    leaves = jax.tree.leaves(want.params)
+    assert len(restores) == len(leaves) > 1
+    for a, b in zip(jax.tree.leaves(got.params), leaves, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "Loading orbax checkpoint: 100%" in capsys.readouterr().err
+
+
+def test_restore_groups_cut_the_leaves_in_order_by_bytes():
+    from jaxllm.loading.orbax_checkpoint import restore_groups
+
+    leaves = [jax.ShapeDtypeStruct((n,), np.float32) for n in (256, 256, 1024, 8, 8)]
+    assert restore_groups(leaves, 2048) == [{0, 1}, {2}, {3, 4}]
+    assert restore_groups(leaves, 1 << 30) == [{0, 1, 2, 3, 4}]
+    assert restore_groups([], 1) == []
