@@ -23,7 +23,8 @@
 #   call 2:   bash benchmarks/h200_accept.sh wait 400
 #   ONLY17=all in front of `start`: issue 17's goals alone (g0 the Hopper prefill kernel's GPU
 #   tests, k1 with its configs instead of Triton's sweep, then l1, t1, s1, t2; no BEFORE tree):
-#   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps
+#   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps; "w5" (not in all): issue 16's warm
+#   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -104,6 +105,16 @@ only17() {
       served s1 inf,10"
     picked t2 && step t2_random 130 260 $PY $TIMELINE --dataset-name random --input-len 512 \
       --output-len 128 --output-json "$DIR/t2_random.json"
+    if picked w5; then  # issue 16's warm restart from a converted checkpoint (as h200_next's)
+      local hf=/tmp/llama-3-8b-hf orbax=/tmp/llama-3-8b-hf-orbax
+      rm -rf "$hf" "$orbax"
+      step w2_write_hf 60 200 $PY -m jaxllm.benchmarks.write_checkpoint llama-3-8b "$hf"
+      step w4_convert 60 200 $PY -m jaxllm convert "$hf" "$orbax" --unroll-layers
+      step w5_restart_orbax 60 240 $PY -m jaxllm.benchmarks.warm_restart --starts cold,warm \
+        --max-num-seqs 256 --max-num-batched-tokens 2048 --model "$orbax" \
+        --output-json "$DIR/w5_restart_orbax.json"
+      rm -rf "$hf" "$orbax"
+    fi
   }
   return 0
 }
@@ -114,6 +125,7 @@ summary() {
   grep -h "^total\|^wall" "$DIR"/t*.log 2>/dev/null | cut -c1-200
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
   grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
+  grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

@@ -90,6 +90,11 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
     assert "shared memory" in unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True))
     assert unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True,
                                                           max_concurrent_steps=2)) is None
+    # Or with one V slot fewer than K's: 3 K + 2 V slots of 128 keys and two q buffers.
+    k3v2 = HopperPrefillConfig(prefetch_q=True, v_concurrent_steps=2)
+    assert smem_bytes(k3v2, 128, 2) == 224 * 1024 and unsupported(q, pool, None, k3v2) is None
+    with pytest.raises(ValueError, match=">= 2"):
+        HopperPrefillConfig(v_concurrent_steps=1)
     with pytest.raises(ValueError, match="sliding"):
         case = finite_case([(0, 5)], "llama3_8b", 16, jnp.bfloat16)
         paged_attention_prefill_hopper(*case.args, scale=case.scale, sliding_window=8)
@@ -97,7 +102,8 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
 
 @pytest.mark.parametrize("heads,config", [
     ("llama3_8b", None), ("llama2_7b", None),
-    ("llama3_8b", HopperPrefillConfig(block_kv=64, max_concurrent_steps=4, prefetch_q=True))])
+    ("llama3_8b", HopperPrefillConfig(block_kv=64, max_concurrent_steps=4, prefetch_q=True)),
+    ("llama3_8b", HopperPrefillConfig(prefetch_q=True, v_concurrent_steps=2))])
 def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads, config):
     """The whole kernel (warpgroups, TMA page copies, wgmma, barriers) lowered for sm_90a on
     a machine without a GPU: what the CPU can check before a GPU compiles it."""
@@ -117,15 +123,18 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads, config):
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("prefetch_q", [False, True], ids=["", "prefetch_q"])
-def test_interpreted_kernel_equals_reference(prefetch_q):
+@pytest.mark.parametrize("prefetch_q,v_slots", [(False, None), (True, None), (True, 2)],
+                         ids=["", "prefetch_q", "prefetch_q_v2"])
+def test_interpreted_kernel_equals_reference(prefetch_q, v_slots):
     """One group of heads in 64-key steps, so that the sequences take several: slots
     refilled, within an item and across the items a program takes in turn (two programs),
     and a fresh 128-token prompt whose first warpgroup needs one step where the second needs
     two (the first releases the other's). With ``prefetch_q`` each item's q arrives in the
-    buffer the item before last stored its output from."""
+    buffer the item before last stored its output from; with ``v_slots`` 2 the V ring turns
+    over faster than K's."""
     check(finite_case([(0, 128), (260, 70)], GROUP_OF_3, 16, jnp.bfloat16), jnp.bfloat16,
-          HopperPrefillConfig(block_kv=64, prefetch_q=prefetch_q), interpret=True)
+          HopperPrefillConfig(block_kv=64, prefetch_q=prefetch_q, v_concurrent_steps=v_slots),
+          interpret=True)
 
 
 def test_interpreter_finds_no_race_where_no_slot_is_refilled():
@@ -166,7 +175,8 @@ class TestHopperPrefillGPU:
         dict(max_concurrent_steps=2), dict(max_concurrent_steps=4, block_kv=64),
         dict(num_programs=3), dict(prefetch_q=True, max_concurrent_steps=2),
         dict(prefetch_q=True, block_kv=64, max_concurrent_steps=4, num_programs=3),
-        dict(num_programs=1000)])
+        dict(num_programs=1000), dict(prefetch_q=True, v_concurrent_steps=2),
+        dict(prefetch_q=True, v_concurrent_steps=2, num_programs=3)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
         check(case, jnp.bfloat16, HopperPrefillConfig(**config))

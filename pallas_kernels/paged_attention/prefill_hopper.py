@@ -55,6 +55,10 @@ class HopperPrefillConfig:
     # K/V slots in flight: 3 (224 KiB of shared memory at head_dim 128) took a 2k-token
     # chunk over no cached keys from 178 TFLOP/s (2) to 215 on the H200.
     max_concurrent_steps: int = 3
+    # V slots, when fewer than K's (None: as many): V is read after K each step, so a
+    # shallower V ring leaves shared memory for prefetch_q with 128-key steps (3 K + 2 V
+    # slots and two q buffers: 224 KiB).
+    v_concurrent_steps: int | None = None
     # Resident programs, each taking work items in turn (None: as many as the device runs at
     # once, from its SM count; 2 under the interpreter).
     num_programs: int | None = None
@@ -67,12 +71,18 @@ class HopperPrefillConfig:
     def q_buffers(self) -> int:  # q (then output) buffers a compute warpgroup
         return 2 if self.prefetch_q else 1
 
+    @property
+    def v_steps(self) -> int:  # V slots in flight
+        return self.v_concurrent_steps or self.max_concurrent_steps
+
     def __post_init__(self):
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"block_q={self.block_q} and block_kv={self.block_kv} must be "
                              "multiples of 64 (wgmma tiles)")
-        if self.max_concurrent_steps < 2:  # one slot: the two warpgroups would deadlock
-            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+        if min(self.max_concurrent_steps, self.v_steps) < 2:
+            # one slot: the two warpgroups would deadlock
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} and "
+                             f"v_concurrent_steps={self.v_concurrent_steps} must be >= 2")
         if self.num_programs is not None and self.num_programs < 1:
             raise ValueError(f"num_programs={self.num_programs} must be >= 1")
 
@@ -82,7 +92,8 @@ HOPPER_SMEM_BYTES = 227 * 1024  # shared memory one block may take on sm_90
 
 def smem_bytes(config: HopperPrefillConfig, head_dim: int, itemsize: int) -> int:
     """The kernel's buffers: both warpgroups' q (then output) rows and the K and V rings."""
-    rows = 2 * config.block_q * config.q_buffers + 2 * config.max_concurrent_steps * config.block_kv
+    rows = (2 * config.block_q * config.q_buffers
+            + (config.max_concurrent_steps + config.v_steps) * config.block_kv)
     return rows * head_dim * itemsize
 
 
@@ -120,7 +131,7 @@ def _resident_programs(interpret) -> int:
 
 def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scoped, *,
             scale_log2: float, block_q: int, block_kv: int, block_size: int,
-            steps_in_flight: int, group: int, num_q_heads: int, num_programs: int,
+            k_in_flight: int, v_in_flight: int, group: int, num_q_heads: int, num_programs: int,
             table_width: int, prefetch_q: bool, interpret: bool):
     program = lax.axis_index("programs")
     wg = lax.axis_index("wg")
@@ -143,8 +154,11 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
         return blk, lax.rem(i, jnp.int32(num_q_heads)), pl.cdiv(meta_ref[blk, 2],
                                                                 jnp.int32(block_kv))
 
-    def slot_of(step):  # the ring slot a K/V step fills (steps counted over all items)
-        return lax.rem(step, jnp.int32(steps_in_flight))
+    def k_slot(step):  # the ring slots a K/V step fills (steps counted over all items)
+        return lax.rem(step, jnp.int32(k_in_flight))
+
+    def v_slot(step):
+        return lax.rem(step, jnp.int32(v_in_flight))
 
     def take_turn():  # the two compute warpgroups take the tensor cores in turn
         plgpu.barrier_arrive(turn)
@@ -207,7 +221,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
 
             def kv_step(step, carry, masked: bool):
                 acc, m_i, l_i = carry
-                slot = slot_of(first_step + step)
+                slot = k_slot(first_step + step)
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref):
@@ -235,6 +249,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 l_i = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
+                slot = v_slot(first_step + step)
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def pv(acc_ref):
@@ -257,11 +272,10 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 # Steps only the other warpgroup needs: each is waited for before it is
                 # released, so that a release never counts towards a slot's earlier fill (the
                 # memory warpgroup would overwrite a slot still being read).
-                slot = slot_of(first_step + step)
-                plgpu.barrier_wait(k_ready.at[slot])
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_wait(k_ready.at[k_slot(first_step + step)])
+                plgpu.barrier_arrive(k_free.at[k_slot(first_step + step)])
+                plgpu.barrier_wait(v_ready.at[v_slot(first_step + step)])
+                plgpu.barrier_arrive(v_free.at[v_slot(first_step + step)])
                 take_turn()
 
             lax.fori_loop(steps, block_steps, drain, None)
@@ -288,22 +302,25 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 start = start + (rows & size)
                 size //= 2
             if not prefetch_q:
-                plgpu.wait_smem_to_gmem(0)  # before the next item's q overwrites the rows
+                # Read, not written: the next item's q may overwrite the rows, and its load
+                # need not wait for the store to reach memory.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             return first_step + block_steps
 
         if prefetch_q:
             pl.when(rounds > 0)(lambda: load_q(*item(0)[:2], 0))
         lax.fori_loop(0, rounds, one_item, jnp.int32(0))
-        if prefetch_q:
-            plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def released(step):  # both compute warpgroups are done with this step's slot
-            plgpu.barrier_wait(k_free.at[slot_of(step)])
-            plgpu.barrier_wait(v_free.at[slot_of(step)])
+        def k_released(step):  # both compute warpgroups are done with this step's K slot
+            plgpu.barrier_wait(k_free.at[k_slot(step)])
+
+        def v_released(step):
+            plgpu.barrier_wait(v_free.at[v_slot(step)])
 
         def one_item(r, first_step):
             blk, head, block_steps = item(r)
@@ -312,24 +329,25 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             @pl.loop(0, block_steps)
             def _(step):
                 fill = first_step + step
-                # The slot's previous fill, possibly an earlier item's: released first.
-                pl.when(fill >= steps_in_flight)(lambda: released(fill - steps_in_flight))
-                slot = slot_of(fill)
-                for i in range(pages_per_step):
-                    column = jnp.minimum(step * pages_per_step + i, table_width - 1)
-                    page = tables_ref[blk, column]
-                    rows = pl.ds(i * block_size, block_size)
-                    plgpu.copy_gmem_to_smem(k_ref.at[page, :, kv_head], k_smem.at[slot, rows],
-                                            k_ready.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[page, :, kv_head], v_smem.at[slot, rows],
-                                            v_ready.at[slot])
+                pages = [tables_ref[blk, jnp.minimum(step * pages_per_step + i, table_width - 1)]
+                         for i in range(pages_per_step)]
+                # Each slot's previous fill, possibly an earlier item's: released first.
+                for pool, smem, ready, depth, slot, released in (
+                        (k_ref, k_smem, k_ready, k_in_flight, k_slot(fill), k_released),
+                        (v_ref, v_smem, v_ready, v_in_flight, v_slot(fill), v_released)):
+                    pl.when(fill >= depth)(lambda r=released, d=depth: r(fill - d))
+                    for i, page in enumerate(pages):
+                        rows = pl.ds(i * block_size, block_size)
+                        plgpu.copy_gmem_to_smem(pool.at[page, :, kv_head], smem.at[slot, rows],
+                                                ready.at[slot])
 
             return first_step + block_steps
 
         fills = lax.fori_loop(0, rounds, one_item, jnp.int32(0))
         # The last fills' releases too: a barrier left with phases its waiter never saw is
         # what JAX's GPU interpreter refuses at its deallocation.
-        pl.loop(jnp.maximum(fills - steps_in_flight, 0), fills)(released)
+        pl.loop(jnp.maximum(fills - k_in_flight, 0), fills)(k_released)
+        pl.loop(jnp.maximum(fills - v_in_flight, 0), fills)(v_released)
 
 
 def paged_attention_prefill_hopper(
@@ -388,7 +406,7 @@ def paged_attention_prefill_hopper(
     # axis with a traced row start fails JAX 0.11.2's layout inference).
     q_padded = jnp.pad(q, ((0, rows), (0, 0), (0, 0))).reshape(-1, num_q_heads * head_dim)
 
-    steps_in_flight = config.max_concurrent_steps
+    k_in_flight, v_in_flight = config.max_concurrent_steps, config.v_steps
     q_rows = (2, config.block_q, head_dim)  # per compute warpgroup
     if config.prefetch_q:
         q_rows = (2, 2, config.block_q, head_dim)  # and buffer
@@ -398,21 +416,22 @@ def paged_attention_prefill_hopper(
     def entry(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref):
         buffers = (
             plgpu.SMEM(q_rows, q.dtype),  # q, then the output; untiled
-            plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
+            plgpu.SMEM((k_in_flight, config.block_kv, head_dim), q.dtype,
                        transforms=tiling),
-            plgpu.SMEM((steps_in_flight, config.block_kv, head_dim), q.dtype,
+            plgpu.SMEM((v_in_flight, config.block_kv, head_dim), q.dtype,
                        transforms=tiling),
         )
-        ready = (plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
-                 plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=steps_in_flight),
+        ready = (plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=k_in_flight),
+                 plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=v_in_flight),
                  plgpu.Barrier(num_barriers=2 * config.q_buffers))
-        free = (plgpu.Barrier(num_arrivals=2, num_barriers=steps_in_flight),) * 2
+        free = (plgpu.Barrier(num_arrivals=2, num_barriers=k_in_flight),
+                plgpu.Barrier(num_arrivals=2, num_barriers=v_in_flight))
         pl.run_scoped(
             lambda *scoped: _kernel(
                 meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scoped,
                 scale_log2=scale * common.LOG2E, block_q=config.block_q,
                 block_kv=config.block_kv, block_size=block_size,
-                steps_in_flight=steps_in_flight, group=num_q_heads // num_kv_heads,
+                k_in_flight=k_in_flight, v_in_flight=v_in_flight, group=num_q_heads // num_kv_heads,
                 num_q_heads=num_q_heads, num_programs=num_programs, table_width=table_width,
                 prefetch_q=config.prefetch_q, interpret=bool(interpret)),
             buffers, ready, free, plgpu.Barrier(num_arrivals=2), collective_axes="wg")
