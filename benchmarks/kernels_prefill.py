@@ -34,14 +34,16 @@ def _prefill_name(c: PrefillConfig) -> str:
             + ("_heavy" if c.heavy_first else ""))
 
 
-# The Hopper kernel's default first ("hopper": the table's column), then variants that fit
-# its shared memory at head_dim 128 (4 x 64-key slots without prefetch_q, and 2 slots of 128
-# with it, were timed on 2026-12-03 and trail these).
+# The Hopper kernel's default first ("hopper": the table's column; 3 K + 2 V slots of 128
+# keys, prefetch_q), then variants that fit its shared memory at head_dim 128, every field
+# that differs from the kernel's own default spelled out (4 x 64-key slots without
+# prefetch_q, and 2 slots of 128 with it, were timed on 2026-12-03 and trail these).
 HOPPER_CONFIGS = {
     "hopper": HopperPrefillConfig(),
-    "hopper_k3v2_prefetch": HopperPrefillConfig(v_concurrent_steps=2, prefetch_q=True),
+    "hopper_s3_one_q": HopperPrefillConfig(max_concurrent_steps=3, v_concurrent_steps=None,
+                                           prefetch_q=False),
     "hopper_kv64_s4_prefetch": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4,
-                                                   prefetch_q=True),
+                                                   v_concurrent_steps=None, prefetch_q=True),
 }
 # Every field spelled out: a name stays true when the defaults change.
 PREFILL_SWEEP = {_prefill_name(c): c for c in [

@@ -80,19 +80,20 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
     assert "whole pages" in unsupported(q, jnp.zeros((1, 4, 48, 8, 128), jnp.bfloat16), None,
                                         config)
     # Both warpgroups' q rows and three 128-key K and V slots: 256 KiB, past the 227 a block has.
-    too_big = HopperPrefillConfig(block_q=128, max_concurrent_steps=3)
+    too_big = HopperPrefillConfig(block_q=128, max_concurrent_steps=3, v_concurrent_steps=None,
+                                  prefetch_q=False)
     assert smem_bytes(too_big, 128, 2) == 256 * 1024
     assert "shared memory" in unsupported(q, pool, None, too_big)
-    assert unsupported(q, pool, None, HopperPrefillConfig(block_q=128,
-                                                          max_concurrent_steps=2)) is None
-    # A second q buffer a warpgroup: 32 KiB more, past the block with 3 slots of 128 keys.
-    assert smem_bytes(HopperPrefillConfig(prefetch_q=True), 128, 2) == 256 * 1024
-    assert "shared memory" in unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True))
+    assert unsupported(q, pool, None, HopperPrefillConfig(
+        block_q=128, max_concurrent_steps=2, prefetch_q=False)) is None
+    # A second q buffer a warpgroup: 32 KiB more, past the block with 3 slots of 128 keys each.
+    both3 = HopperPrefillConfig(v_concurrent_steps=None, prefetch_q=True)
+    assert smem_bytes(both3, 128, 2) == 256 * 1024
+    assert "shared memory" in unsupported(q, pool, None, both3)
     assert unsupported(q, pool, None, HopperPrefillConfig(prefetch_q=True,
                                                           max_concurrent_steps=2)) is None
-    # Or with one V slot fewer than K's: 3 K + 2 V slots of 128 keys and two q buffers.
-    k3v2 = HopperPrefillConfig(prefetch_q=True, v_concurrent_steps=2)
-    assert smem_bytes(k3v2, 128, 2) == 224 * 1024 and unsupported(q, pool, None, k3v2) is None
+    # The default: one V slot fewer than K's, 3 K + 2 V slots of 128 keys and two q buffers.
+    assert smem_bytes(config, 128, 2) == 224 * 1024 and unsupported(q, pool, None, config) is None
     with pytest.raises(ValueError, match=">= 2"):
         HopperPrefillConfig(v_concurrent_steps=1)
     with pytest.raises(ValueError, match="sliding"):
@@ -102,8 +103,9 @@ def test_config_and_operands_the_kernel_cannot_take_are_named():
 
 @pytest.mark.parametrize("heads,config", [
     ("llama3_8b", None), ("llama2_7b", None),
-    ("llama3_8b", HopperPrefillConfig(block_kv=64, max_concurrent_steps=4, prefetch_q=True)),
-    ("llama3_8b", HopperPrefillConfig(prefetch_q=True, v_concurrent_steps=2))])
+    ("llama3_8b", HopperPrefillConfig(block_kv=64, max_concurrent_steps=4,
+                                      v_concurrent_steps=None)),
+    ("llama3_8b", HopperPrefillConfig(prefetch_q=False, v_concurrent_steps=None))])
 def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads, config):
     """The whole kernel (warpgroups, TMA page copies, wgmma, barriers) lowered for sm_90a on
     a machine without a GPU: what the CPU can check before a GPU compiles it."""
@@ -124,7 +126,7 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(heads, config):
 
 
 @pytest.mark.parametrize("prefetch_q,v_slots", [(False, None), (True, None), (True, 2)],
-                         ids=["", "prefetch_q", "prefetch_q_v2"])
+                         ids=["one_q", "prefetch_q", "prefetch_q_v2"])
 def test_interpreted_kernel_equals_reference(prefetch_q, v_slots):
     """One group of heads in 64-key steps, so that the sequences take several: slots
     refilled, within an item and across the items a program takes in turn (two programs),
@@ -171,12 +173,14 @@ class TestHopperPrefillGPU:
         check(finite_case([(cached, 2048)], "llama3_8b", 16, jnp.bfloat16), jnp.bfloat16)
 
     @pytest.mark.parametrize("config", [
-        dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128, max_concurrent_steps=2),
-        dict(max_concurrent_steps=2), dict(max_concurrent_steps=4, block_kv=64),
-        dict(num_programs=3), dict(prefetch_q=True, max_concurrent_steps=2),
-        dict(prefetch_q=True, block_kv=64, max_concurrent_steps=4, num_programs=3),
-        dict(num_programs=1000), dict(prefetch_q=True, v_concurrent_steps=2),
-        dict(prefetch_q=True, v_concurrent_steps=2, num_programs=3)])
+        dict(block_q=64, block_kv=64), dict(block_q=128, block_kv=128, max_concurrent_steps=2,
+                                            prefetch_q=False),
+        dict(max_concurrent_steps=2, v_concurrent_steps=None, prefetch_q=False),
+        dict(max_concurrent_steps=4, block_kv=64, v_concurrent_steps=None, prefetch_q=False),
+        dict(num_programs=3), dict(max_concurrent_steps=2),
+        dict(block_kv=64, max_concurrent_steps=4, v_concurrent_steps=None, num_programs=3),
+        dict(num_programs=1000), dict(v_concurrent_steps=None, prefetch_q=False),
+        dict(v_concurrent_steps=None, prefetch_q=False, num_programs=3)])
     def test_configs(self, config):
         case = finite_case([(0, 300), (700, 200), (5, 1)], "llama3_8b", 16, jnp.bfloat16)
         check(case, jnp.bfloat16, HopperPrefillConfig(**config))

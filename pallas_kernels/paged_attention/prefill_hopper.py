@@ -9,9 +9,10 @@ with the most keys first, and three warpgroups run each item:
               with wgmma, online softmax in registers; keys below every row's position
               unmasked, the rest under the causal mask
     wg 2      memory: each step's block_kv keys as block_kv / page_size page copies (TMA) per
-              K and V into a ring of max_concurrent_steps slots, a slot refilled once both
-              compute warpgroups have consumed it; the ring runs on across items, so the next
-              item's first keys load while this one's last are used
+              K and V into rings of max_concurrent_steps (K) and v_concurrent_steps (V)
+              slots, a slot refilled once both compute warpgroups have consumed it; the rings
+              run on across items, so the next item's first keys load while this one's last
+              are used (and with prefetch_q, the next item's q)
 
 q is read in place (padded by one block's rows so that a block's box never leaves it) and
 each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
@@ -25,9 +26,11 @@ Status (tests/test_prefill_hopper.py): run against the reference by JAX's GPU in
 CPU (warpgroups, barriers and page copies as written, the two products as register dots) and
 on an H200. The engine runs it through :func:`paged_attention_mixed`'s
 ``prefill_kernel="mosaic"``: attention backend "pallas_mosaic", the default ("auto") on Hopper.
-On the H200 (benchmarks/RESULTS.md, 2026-12-03) it ran 2k-token chunks over 0 / 2k / 8k cached
-tokens at 30 / 48 / 59% of the matmul rate, the Triton kernel at 20 / 29 / 36%; JAX's own
-Mosaic GPU attention (unpaged, unmasked 2k x 4k / 2k x 10k) reached 71-82%.
+On the H200 (benchmarks/RESULTS.md, 2026-12-04) it ran 2k-token chunks over 0 / 2k / 8k cached
+tokens at 32 / 44 / 59% of the matmul rate, the Triton kernel at 19 / 29 / 36%; JAX's own
+Mosaic GPU attention (unpaged, unmasked 2k x 4k / 2k x 10k) reached 71-82% (2026-12-03).
+The three points fit ~95 us a call plus the work at ~500 TFLOP/s: a 2k chunk's 512 items
+(whatever the cached tokens) cost about the same time outside the steps' products.
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
 masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
 hold written K/V.
@@ -52,20 +55,21 @@ from .prefill import query_blocks
 class HopperPrefillConfig:
     block_q: int = 64  # rows per compute warpgroup (a program: 2 x block_q tokens)
     block_kv: int = 128  # keys per step: whole pages
-    # K/V slots in flight: 3 (224 KiB of shared memory at head_dim 128) took a 2k-token
-    # chunk over no cached keys from 178 TFLOP/s (2) to 215 on the H200.
+    # K slots in flight: 3 K and V slots (192 KiB at head_dim 128) took a 2k-token chunk
+    # over no cached keys from 178 TFLOP/s (2) to 215 on the H200.
     max_concurrent_steps: int = 3
-    # V slots, when fewer than K's (None: as many): V is read after K each step, so a
-    # shallower V ring leaves shared memory for prefetch_q with 128-key steps (3 K + 2 V
-    # slots and two q buffers: 224 KiB).
-    v_concurrent_steps: int | None = None
+    # V slots (None: as many as K's). V is read after K each step, so a shallower V ring
+    # leaves shared memory for prefetch_q with 128-key steps: 3 K + 2 V slots and two q
+    # buffers, 224 KiB.
+    v_concurrent_steps: int | None = 2
     # Resident programs, each taking work items in turn (None: as many as the device runs at
     # once, from its SM count; 2 under the interpreter).
     num_programs: int | None = None
-    # Two q buffers a warpgroup: the next item's q loads under this item's steps, and the
-    # warpgroups go on once their output rows are read, not written. Opt-in until timed on a
-    # GPU (+32 KiB at block_q 64: not with 3 slots of 128 keys).
-    prefetch_q: bool = False
+    # Two q buffers a warpgroup: the next item's q loads under this item's steps (+32 KiB at
+    # block_q 64). With 3 K + 2 V slots, on the H200 (benchmarks/RESULTS.md, 2026-12-04):
+    # 235 / 323 / 439 TFLOP/s over 0 / 2k / 8k cached tokens against 209 / 336 / 432 with one
+    # q buffer and 3 + 3 slots; the engine's chunks are mostly short, where it gains most.
+    prefetch_q: bool = True
 
     @property
     def q_buffers(self) -> int:  # q (then output) buffers a compute warpgroup
