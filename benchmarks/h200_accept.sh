@@ -24,7 +24,8 @@
 #   ONLY17=all in front of `start`: issue 17's goals alone (g0 the Hopper prefill kernel's GPU
 #   tests, k1 with its configs instead of Triton's sweep, then l1, t1, s1, t2; no BEFORE tree):
 #   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps; "w5" (not in all): issue 16's warm
-#   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm
+#   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm;
+#   "p2" (not in all): a device trace of t1's first mixed steps (step_profile)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -105,6 +106,12 @@ only17() {
       served s1 inf,10"
     picked t2 && step t2_random 130 260 $PY $TIMELINE --dataset-name random --input-len 512 \
       --output-len 128 --output-json "$DIR/t2_random.json"
+    # Where the offline run's mixed steps (the first ones: 8,192-token prefill chunks beside
+    # decodes) spend their device time, kernel by kernel
+    picked p2 && step p2_profile_mixed 90 200 $PY -m jaxllm.benchmarks.step_profile \
+      ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like \
+      --trace-steps 3:6 --host-profile-steps 40:60 --top 40 --out-dir "$DIR/p2"
+    rm -rf "$DIR"/p2/trace
     if picked w5; then  # issue 16's warm restart from a converted checkpoint (as h200_next's)
       local hf=/tmp/llama-3-8b-hf orbax=/tmp/llama-3-8b-hf-orbax
       rm -rf "$hf" "$orbax"
@@ -125,6 +132,7 @@ summary() {
   grep -h "^total\|^wall" "$DIR"/t*.log 2>/dev/null | cut -c1-200
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
   grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
+  grep -h "pass 1\|traced" "$DIR"/p2*.log 2>/dev/null | cut -c1-250
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }
 
