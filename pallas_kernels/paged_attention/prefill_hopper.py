@@ -27,10 +27,12 @@ CPU (warpgroups, barriers and page copies as written, the two products as regist
 on an H200. The engine runs it through :func:`paged_attention_mixed`'s
 ``prefill_kernel="mosaic"``: attention backend "pallas_mosaic", the default ("auto") on Hopper.
 On the H200 (benchmarks/RESULTS.md, 2026-12-04) it ran 2k-token chunks over 0 / 2k / 8k cached
-tokens at 32 / 44 / 59% of the matmul rate, the Triton kernel at 19 / 29 / 36%; JAX's own
-Mosaic GPU attention (unpaged, unmasked 2k x 4k / 2k x 10k) reached 71-82% (2026-12-03).
-The three points fit ~95 us a call plus the work at ~500 TFLOP/s: a 2k chunk's 512 items
-(whatever the cached tokens) cost about the same time outside the steps' products.
+tokens at 32 / 44 / 59% of the matmul rate (29 / 42 / 56% in a second call), the Triton
+kernel at 19 / 29 / 36%; JAX's own Mosaic GPU attention (unpaged, unmasked 2k x 4k / 2k x
+10k) reached 71-82% (2026-12-03).
+The three points fit 77-91 us a call plus the work at 456-492 TFLOP/s (two machines): a 2k
+chunk's 512 items cost about that much, whatever the cached tokens, outside the steps'
+products; that fixed part is what keeps short chunks far below the matmul rate.
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
 masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
 hold written K/V.
