@@ -22,10 +22,8 @@ from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_prefill,
     paged_attention_reference,
 )
-from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
-    HopperPrefillConfig,
-    paged_attention_prefill_hopper,
-)
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper_config import HopperPrefillConfig
 from jaxllm.pallas_kernels.paged_attention.shapes import HEAD_SHAPES
 
 

@@ -163,13 +163,15 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
     # NOTE: padded tokens aim past the pool and are dropped, rather than all writing one
     # null-block slot: on the H200, generate()'s padded prompts (most of a 64 x 1024 static
     # batch) cost ~24 s a batch more than unpadded ones, which points at those colliding writes
-    # (inferred from the timings, not profiled).
-    blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    # (inferred from the timings, not profiled). Each aims at a block of its own, so that no
+    # two tokens share a slot and the scatter may say its indices are unique: XLA then stores
+    # each row instead of updating it atomically.
+    past_the_pool = num_blocks + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
+    blocks = jnp.where(slot_mapping < 0, past_the_pool, slot_mapping // block_size)
     offsets = slot_mapping % block_size
-    return KVPool(
-        k=kv_pool.k.at[layer, blocks, offsets].set(to_pool_dtype(k, kv_pool.dtype), mode="drop"),
-        v=kv_pool.v.at[layer, blocks, offsets].set(to_pool_dtype(v, kv_pool.dtype), mode="drop"),
-    )
+    write = lambda pool, x: pool.at[layer, blocks, offsets].set(
+        to_pool_dtype(x, kv_pool.dtype), mode="drop", unique_indices=True)
+    return KVPool(k=write(kv_pool.k, k), v=write(kv_pool.v, v))
 
 
 FP8_KV_CACHE_DTYPES = {"fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}

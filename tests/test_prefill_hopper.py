@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jaxllm.pallas_kernels.paged_attention import paged_attention_reference
-from jaxllm.pallas_kernels.paged_attention.prefill_hopper import (
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
+from jaxllm.pallas_kernels.paged_attention.prefill_hopper_config import (
     HopperPrefillConfig,
-    paged_attention_prefill_hopper,
     smem_bytes,
     unsupported,
 )

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 
 from .decode import DecodeConfig, paged_attention_decode
 from .prefill import PrefillConfig, paged_attention_prefill
-from .prefill_hopper import HopperPrefillConfig, paged_attention_prefill_hopper
-from .prefill_hopper import unsupported as hopper_unsupported
+from .prefill_hopper import paged_attention_prefill_hopper
+from .prefill_hopper_config import HopperPrefillConfig
+from .prefill_hopper_config import unsupported as hopper_unsupported
 
 PREFILL_KERNELS = ("triton", "mosaic")
 
@@ -73,4 +74,7 @@ def paged_attention_mixed(
         q, k_pool, v_pool, layer, block_tables, seq_lens, query_start_loc, positions,
         scale=scale, sliding_window=sliding_window, config=prefill_config,
         interpret=interpret, skip_single_token_seqs=True)
-    return rest.at[jnp.where(has_tokens, last, num_tokens)].set(decoded, mode="drop")
+    # Empty slots aim past the output, each at a row of its own: the rows are unique, and
+    # XLA stores them rather than updating them atomically.
+    rows = jnp.where(has_tokens, last, num_tokens + jnp.arange(num_seqs, dtype=last.dtype))
+    return rest.at[rows].set(decoded, mode="drop", unique_indices=True)
