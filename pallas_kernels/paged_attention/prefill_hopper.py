@@ -196,10 +196,11 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 # Steps only the other warpgroup needs: each is waited for before it is
                 # released, so that a release never counts towards a slot's earlier fill (the
                 # memory warpgroup would overwrite a slot still being read).
-                plgpu.barrier_wait(k_ready.at[k_slot(first_step + step)])
-                plgpu.barrier_arrive(k_free.at[k_slot(first_step + step)])
-                plgpu.barrier_wait(v_ready.at[v_slot(first_step + step)])
-                plgpu.barrier_arrive(v_free.at[v_slot(first_step + step)])
+                k, v = k_slot(first_step + step), v_slot(first_step + step)
+                plgpu.barrier_wait(k_ready.at[k])
+                plgpu.barrier_arrive(k_free.at[k])
+                plgpu.barrier_wait(v_ready.at[v])
+                plgpu.barrier_arrive(v_free.at[v])
                 take_turn()
 
             lax.fori_loop(steps, block_steps, drain, None)
