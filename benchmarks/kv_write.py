@@ -1,6 +1,6 @@
 """The step's scatters on the device: this step's K/V rows written into a layer of the pool
 (``jaxllm.kv_pool.write_kv``) and the decodes' rows written into the attention output
-(``paged_attention_mixed``), as the engine writes them (indices unique, padding aimed at
+(``paged_attention_mixed``'s ``place_rows``), as the engine writes them (indices unique, padding aimed at
 distinct rows past the end) against the form before (padding all aimed at one row past the
 end, indices not declared unique), Llama-3-8B's KV heads.
 
@@ -35,12 +35,6 @@ def _old_rows(rest, rows, decoded):
     return rest.at[jnp.where(rows >= 0, rows, num_tokens)].set(decoded, mode="drop")
 
 
-def _new_rows(rest, rows, decoded):
-    num_tokens = rest.shape[0]
-    unique = jnp.where(rows >= 0, rows, num_tokens + jnp.arange(rows.shape[0], dtype=rows.dtype))
-    return rest.at[unique].set(decoded, mode="drop", unique_indices=True)
-
-
 def _time(fn, state, args, calls: int) -> float:
     state = jax.block_until_ready(fn(state, *args))  # compiled, and the first run
     start = time.perf_counter()
@@ -62,13 +56,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxllm.benchmarks.provenance import source_commit, write_json
+    from jaxllm.pallas_kernels.paged_attention.mixed import place_rows
 
     from jaxllm.kv_pool import KVPool, write_kv
 
     kv_heads, head_dim, q_heads, dtype = 8, 128, 32, jnp.bfloat16
     rng = np.random.default_rng(0)
     shape = (1, args.num_blocks, args.block_size, kv_heads, head_dim)
-    pool = KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    new_pool = lambda: KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     new_write = jax.jit(lambda p, s, k, v: write_kv(p, jnp.int32(0), s, k, v), donate_argnums=0)
     old_write = jax.jit(_old_write_kv, donate_argnums=0)
     rows = []
@@ -78,31 +73,29 @@ def main() -> None:
         slots[real:] = -1
         k = jnp.asarray(rng.standard_normal((num_tokens, kv_heads, head_dim)), dtype)
         row_bytes = 2 * real * kv_heads * head_dim * 2  # K and V rows written
-        got, want = (fn(KVPool(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)),
-                        jnp.asarray(slots), k, k) for fn in (new_write, old_write))
+        got, want = (fn(new_pool(), jnp.asarray(slots), k, k) for fn in (new_write, old_write))
         if not all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), got, want))):
             raise SystemExit(f"BAD: the two writes of {spec} differ")
         del got, want
         for name, fn in (("kv_write_unique", new_write), ("kv_write_before", old_write)):
-            sec = _time(fn, pool, (jnp.asarray(slots), k, k), args.calls)
-            pool = jax.tree.map(jnp.zeros_like, pool)  # the donated one is gone
+            sec = _time(fn, new_pool(), (jnp.asarray(slots), k, k), args.calls)
             rows.append({"what": name, "tokens": num_tokens, "real": real, "us": sec * 1e6,
                          "GBps": row_bytes / sec / 1e9})
             print(rows[-1], flush=True)
     # The decodes' rows into a mixed step's attention output: 8,192 tokens, 1,024 sequences,
     # 1,000 of them with a token.
-    rest = jnp.zeros((8192, q_heads, head_dim), dtype)
+    new_rest = lambda: jnp.zeros((8192, q_heads, head_dim), dtype)
     dec_rows = np.sort(rng.permutation(8192)[:1024]).astype(np.int32)
     dec_rows[1000:] = -1
     decoded = jnp.asarray(rng.standard_normal((1024, q_heads, head_dim)), dtype)
-    got, want = (jax.jit(fn)(rest, jnp.asarray(dec_rows), decoded) for fn in (_new_rows, _old_rows))
+    got, want = (jax.jit(fn)(new_rest(), jnp.asarray(dec_rows), decoded)
+                 for fn in (place_rows, _old_rows))
     if not bool((got == want).all()):
         raise SystemExit("BAD: the two writes of the decodes' rows differ")
     del got, want
-    for name, fn in (("decoded_rows_unique", _new_rows), ("decoded_rows_before", _old_rows)):
-        sec = _time(jax.jit(fn, donate_argnums=0), rest, (jnp.asarray(dec_rows), decoded),
+    for name, fn in (("decoded_rows_unique", place_rows), ("decoded_rows_before", _old_rows)):
+        sec = _time(jax.jit(fn, donate_argnums=0), new_rest(), (jnp.asarray(dec_rows), decoded),
                     args.calls)
-        rest = jnp.zeros((8192, q_heads, head_dim), dtype)
         rows.append({"what": name, "tokens": 8192, "real": 1000, "us": sec * 1e6,
                      "GBps": 1000 * q_heads * head_dim * 2 / sec / 1e9})
         print(rows[-1], flush=True)

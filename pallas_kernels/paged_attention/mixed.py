@@ -28,6 +28,15 @@ from .prefill_hopper_config import unsupported as hopper_unsupported
 PREFILL_KERNELS = ("triton", "mosaic")
 
 
+def place_rows(out: jax.Array, rows: jax.Array, values: jax.Array) -> jax.Array:
+    """``out`` ([T, ...]) with ``values[i]`` at row ``rows[i]``; rows < 0 write nothing. Those
+    aim past the end, each at a row of its own, so that the rows are unique and XLA stores
+    them rather than updating them atomically."""
+    past_the_end = out.shape[0] + jnp.arange(rows.shape[0], dtype=rows.dtype)
+    return out.at[jnp.where(rows >= 0, rows, past_the_end)].set(values, mode="drop",
+                                                                unique_indices=True)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "decode_config",
                                              "prefill_config", "prefill_kernel", "interpret"))
 def paged_attention_mixed(
@@ -74,7 +83,4 @@ def paged_attention_mixed(
         q, k_pool, v_pool, layer, block_tables, seq_lens, query_start_loc, positions,
         scale=scale, sliding_window=sliding_window, config=prefill_config,
         interpret=interpret, skip_single_token_seqs=True)
-    # Empty slots aim past the output, each at a row of its own: the rows are unique, and
-    # XLA stores them rather than updating them atomically.
-    rows = jnp.where(has_tokens, last, num_tokens + jnp.arange(num_seqs, dtype=last.dtype))
-    return rest.at[rows].set(decoded, mode="drop", unique_indices=True)
+    return place_rows(rest, jnp.where(has_tokens, last, -1), decoded)
