@@ -1,8 +1,8 @@
 """The step's scatters on the device: this step's K/V rows written into a layer of the pool
 (``jaxllm.kv_pool.write_kv``) and the decodes' rows written into the attention output
-(``paged_attention_mixed``'s ``place_rows``), as the engine writes them (indices unique, padding aimed at
-distinct rows past the end) against the form before (padding all aimed at one row past the
-end, indices not declared unique), Llama-3-8B's KV heads.
+(``place_rows`` of ``paged_attention_mixed``), as the engine writes them (indices unique,
+padding aimed at distinct rows past the end) against the form before (padding all aimed at
+one row past the end, indices not declared unique), Llama-3-8B's KV heads.
 
 The 2026-12-04 trace of the offline run's 8,192-token steps had ~150 us a layer of scatter
 fusions for ~40 MB of rows. Each variant runs ``--calls`` times back to back on a donated
