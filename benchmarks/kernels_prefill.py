@@ -54,27 +54,39 @@ PREFILL_SWEEP = {_prefill_name(c): c for c in [
         (128, 128, 8, 3, True)]]}
 
 
+def prefill_problem(chunk: int, cached: int, heads: str, *, block: int,
+                    pseudo_random: Callable) -> dict:
+    """One sequence's ``chunk`` new tokens over ``cached`` ones, its pages shuffled in a
+    one-layer pool: the kernels' operands after q (k, v, tables, seq_lens, starts, positions)
+    and the FLOPs of its valid query-key pairs."""
+    h = HEAD_SHAPES[heads]
+    total = chunk + cached
+    pages = -(-total // block)
+    shape = (1, pages + 1, block, h.num_kv_heads, h.head_dim)
+    pairs = sum(cached + i + 1 for i in range(chunk))
+    return {"k": pseudo_random(shape, 0.1), "v": pseudo_random(shape, 0.2),
+            "tables": jnp.asarray(1 + np.random.default_rng(0).permutation(pages)[None],
+                                  jnp.int32),
+            "seq_lens": jnp.array([total], jnp.int32),
+            "starts": jnp.array([0, chunk], jnp.int32),
+            "positions": jnp.arange(cached, total, dtype=jnp.int32),
+            "flops": 4 * h.num_q_heads * h.head_dim * pairs}
+
+
 def bench_prefill(chunk: int, cached: int, impls: dict, *, plan, block: int,
                   pseudo_random: Callable, time_per_call: Callable) -> dict:
     """One row: each of ``impls`` on a ``chunk``-token prefill over ``cached`` tokens, with the
     plan's first head shape; ``pseudo_random`` and ``time_per_call`` are kernels.py's."""
     h = HEAD_SHAPES[plan.heads[0]]
-    total = chunk + cached
-    pages = -(-total // block)
-    shape = (1, pages + 1, block, h.num_kv_heads, h.head_dim)
-    k, v = pseudo_random(shape, 0.1), pseudo_random(shape, 0.2)
-    tables = jnp.asarray(1 + np.random.default_rng(0).permutation(pages)[None], jnp.int32)
-    seq_lens = jnp.array([total], jnp.int32)
-    starts = jnp.array([0, chunk], jnp.int32)
-    positions = jnp.arange(cached, total, dtype=jnp.int32)
-    pairs = sum(cached + i + 1 for i in range(chunk))
-    flops = 4 * h.num_q_heads * h.head_dim * pairs
+    p = prefill_problem(chunk, cached, plan.heads[0], block=block, pseudo_random=pseudo_random)
+    k, v, flops = p["k"], p["v"], p["flops"]
     result = {"chunk": chunk, "cached": cached, "GFLOP": flops / 1e9}
     for name, fn in impls.items():
         # One reference call a program: XLA merges the dots of calls that share K and V.
         num_calls = 1 if name == "reference" else min(plan.max_calls, 8)
         q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
-        call = lambda i, q, k, v, fn=fn: fn(q[i], k, v, 0, tables, seq_lens, starts, positions,
+        call = lambda i, q, k, v, fn=fn: fn(q[i], k, v, 0, p["tables"], p["seq_lens"],
+                                            p["starts"], p["positions"],
                                             scale=h.head_dim ** -0.5)
         try:
             sec = time_per_call(call, num_calls, (q_all, k, v))

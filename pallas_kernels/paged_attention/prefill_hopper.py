@@ -116,8 +116,9 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             q_smem, q_arrived = q_buffer(buf)  # q, then the output
             if not prefetch_q:
                 load_q(blk, head, buf)
-            plgpu.barrier_wait(q_arrived)
-            q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
+            with jax.named_scope("q_wait"):
+                plgpu.barrier_wait(q_arrived)
+                q = plgpu.load(q_smem, layout=plgpu.Layout.WGMMA)
             if prefetch_q:
                 @pl.when(r + 1 < rounds)
                 def _():
@@ -140,13 +141,15 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                                     plgpu.Layout.WGMMA)
 
             @pl.when(wg == 1)
+            @jax.named_scope("item_turn")
             def _():
                 take_turn()
 
             def kv_step(step, carry, masked: bool):
                 acc, m_i, l_i = carry
                 slot = k_slot(first_step + step)
-                plgpu.barrier_wait(k_ready.at[slot])
+                with jax.named_scope("k_wait"):
+                    plgpu.barrier_wait(k_ready.at[slot])
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, q, k_smem.at[slot].transpose((1, 0)))
@@ -158,23 +161,27 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                                 preferred_element_type=jnp.float32)
                     take_turn()
                 else:
-                    s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    with jax.named_scope("qk_turn"):
+                        s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * scale_log2
-                if masked:
-                    rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
-                                                  layout=plgpu.Layout.WGMMA)
-                    keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
-                                                  layout=plgpu.Layout.WGMMA)
-                    s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s, -jnp.inf)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l_i = l_i * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
+                with jax.named_scope("softmax_masked" if masked else "softmax"):
+                    s = s * scale_log2
+                    if masked:
+                        rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                                      layout=plgpu.Layout.WGMMA)
+                        keys = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                                      layout=plgpu.Layout.WGMMA)
+                        s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s,
+                                      -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    l_i = l_i * alpha + p.sum(axis=1)
+                    p16 = p.astype(dtype)
                 slot = v_slot(first_step + step)
-                plgpu.barrier_wait(v_ready.at[slot])
+                with jax.named_scope("v_wait"):
+                    plgpu.barrier_wait(v_ready.at[slot])
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -183,7 +190,8 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                     acc = acc + jnp.dot(p16, v_smem.at[slot][...],
                                         preferred_element_type=jnp.float32)
                 else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                    with jax.named_scope("pv"):
+                        acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
@@ -203,17 +211,20 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 plgpu.barrier_arrive(v_free.at[v])
                 take_turn()
 
-            lax.fori_loop(steps, block_steps, drain, None)
+            with jax.named_scope("drain"):
+                lax.fori_loop(steps, block_steps, drain, None)
 
             @pl.when(wg == 0)
+            @jax.named_scope("item_turn")
             def _():
                 take_turn()
 
-            # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
-            inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
-            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            q_smem[...] = acc.astype(dtype)  # untiled: stores start anywhere
-            plgpu.commit_smem()
+            with jax.named_scope("epilogue"):
+                # Rows without keys (padding) have l = 0: they write 0, not 0 / 0.
+                inv = jnp.where(l_i > 0, 1.0 / jnp.maximum(l_i, 1e-30), 0.0)
+                acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+                q_smem[...] = acc.astype(dtype)  # untiled: stores start anywhere
+                plgpu.commit_smem()
             # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set
             # bit).
             rows = jnp.clip(num_rows - row0, 0, block_q)
@@ -241,9 +252,11 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
+        @jax.named_scope("k_released")
         def k_released(step):  # both compute warpgroups are done with this step's K slot
             plgpu.barrier_wait(k_free.at[k_slot(step)])
 
+        @jax.named_scope("v_released")
         def v_released(step):
             plgpu.barrier_wait(v_free.at[v_slot(step)])
 
@@ -254,8 +267,10 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
             @pl.loop(0, block_steps)
             def _(step):
                 fill = first_step + step
-                pages = [tables_ref[blk, jnp.minimum(step * pages_per_step + i, table_width - 1)]
-                         for i in range(pages_per_step)]
+                with jax.named_scope("tables"):
+                    pages = [tables_ref[blk, jnp.minimum(step * pages_per_step + i,
+                                                         table_width - 1)]
+                             for i in range(pages_per_step)]
                 # Each slot's previous fill, possibly an earlier item's: released first.
                 for pool, smem, ready, depth, slot, released in (
                         (k_ref, k_smem, k_ready, k_in_flight, k_slot(fill), k_released),
@@ -290,6 +305,7 @@ def paged_attention_prefill_hopper(
     config: HopperPrefillConfig | None = None,
     interpret: bool | plgpu.InterpretGPUParams = False,
     skip_single_token_seqs: bool = False,
+    profile: tuple[str, int] | None = None,
 ) -> jax.Array:  # [T, Hq, D] in q.dtype
     """Same contract as :func:`paged_attention_reference` for prefill chunks (a decode token
     is a chunk of one); raises ValueError for operands :func:`unsupported` names.
@@ -297,7 +313,10 @@ def paged_attention_prefill_hopper(
     :func:`paged_attention_prefill` does for the mixed step's decode kernel.
     ``interpret`` (True, or the interpreter's params, e.g. with its race detector): JAX's GPU
     interpreter (CPU) runs the warpgroups, barriers and page copies as written, the two
-    products as register dots (it has no wgmma)."""
+    products as register dots (it has no wgmma). ``profile`` (directory, ranges a warpgroup):
+    Mosaic GPU's on-device profiler records the kernel's named scopes (q_wait, k_wait, qk_turn,
+    softmax, pv, epilogue, ...) in shared memory, which must have room left for them, and
+    writes each call's trace there as ``<ns>-trace.json`` (benchmarks/prefill_anatomy.py)."""
     common.check_shapes(q, k_pool, v_pool)
     config = config or HopperPrefillConfig()
     reason = unsupported(q, k_pool, sliding_window, config)
@@ -368,7 +387,9 @@ def paged_attention_prefill_hopper(
         grid_names=("programs",),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"profile_dir": profile[0], "profile_space": profile[1],
+                                  "profile_bounds_check": True} if profile else {})),
         **({"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
            if interpret else {}),
     )(meta, tables, num_items, q_padded, flat(k_pool), flat(v_pool))
