@@ -28,7 +28,7 @@ import time
 
 import jax
 import numpy as np
-from jaxllm.benchmarks.kernels import pseudo_random, run_timed
+from jaxllm.benchmarks.kernels import ceilings, pseudo_random, run_timed
 from jaxllm.benchmarks.kernels_prefill import prefill_problem
 from jaxllm.benchmarks.step_profile import summarize_trace
 from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
@@ -61,7 +61,9 @@ def device_view(program, args, trace_dir: str, num_calls: int, flops: float) -> 
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     summary = summarize_trace(path, [], top=30)
     kernels = [{"kernel": k["kernel"], "per_call": k["count"] / num_calls,
-                "us_a_call": 1e3 * k["total_ms"] / num_calls} for k in summary["kernels"]]
+                "us_a_call": 1e3 * k["total_ms"] / num_calls,
+                "idle_before_us_a_call": 1e3 * k["idle_before_ms"] / num_calls}
+               for k in summary["kernels"]]
     mosaic_us = sum(k["us_a_call"] for k in kernels if "mosaic" in k["kernel"])
     return {"span_us_a_call": 1e3 * summary["span_ms"] / num_calls,
             "busy_us_a_call": 1e3 * summary["busy_ms"] / num_calls,
@@ -128,7 +130,7 @@ def kernel_profile(p: dict, args, out_dir: str, space: int) -> dict:
     return summarize_kernel_profile(new[-1])
 
 
-def one_point(chunk: int, cached: int, num_calls: int, out_dir: str, space: int) -> dict:
+def one_point(chunk: int, cached: int, num_calls: int, out_dir: str, space: int | None) -> dict:
     h = HEAD_SHAPES[HEADS]
     p = prefill_problem(chunk, cached, HEADS, block=BLOCK, pseudo_random=pseudo_random)
     q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
@@ -142,23 +144,27 @@ def one_point(chunk: int, cached: int, num_calls: int, out_dir: str, space: int)
             row[name]["device"] = device_view(program, args,
                                               os.path.join(out_dir, f"trace_{chunk}_{cached}"),
                                               num_calls, p["flops"])
-    row["kernel_profile"] = kernel_profile(p, (q_all[:1], p["k"], p["v"]),
-                                           os.path.join(out_dir, f"profile_{chunk}_{cached}"),
-                                           space)
+    if space:
+        row["kernel_profile"] = kernel_profile(
+            p, (q_all[:1], p["k"], p["v"]), os.path.join(out_dir, f"profile_{chunk}_{cached}"),
+            space)
     return row
 
 
-def print_row(r: dict) -> None:
+def print_row(r: dict, matmul: float) -> None:
     d = r["default"]
     dev = d["device"]
+    kernel = dev["kernel_TFLOPs"] or 0
     print(f"\nchunk {r['chunk']} over {r['cached']} cached ({r['GFLOP']:.1f} GFLOP): "
-          f"timed {d['us']:.1f} us a call ({d['TFLOPs']:.0f} TFLOP/s); device span "
+          f"timed {d['us']:.1f} us a call ({d['TFLOPs']:.0f} TFLOP/s, "
+          f"{100 * d['TFLOPs'] / matmul:.0f}% of matmul); device span "
           f"{dev['span_us_a_call']:.1f} us, busy {dev['busy_us_a_call']:.1f}; the Mosaic "
-          f"kernel {dev['kernel_us']:.1f} us ({dev['kernel_TFLOPs'] or 0:.0f} TFLOP/s); "
-          f"profiled config {r['profiled_config']['us']:.1f} us")
+          f"kernel {dev['kernel_us']:.1f} us ({kernel:.0f} TFLOP/s, "
+          f"{100 * kernel / matmul:.0f}%); profiled config {r['profiled_config']['us']:.1f} us")
     for k in dev["kernels"][:8]:
-        print(f"  {k['us_a_call']:8.1f} us  x{k['per_call']:.0f}  {k['kernel']}")
-    prof = r["kernel_profile"]
+        print(f"  {k['us_a_call']:8.1f} us  x{k['per_call']:.2f}  idle before "
+              f"{k['idle_before_us_a_call']:6.1f} us  {k['kernel']}")
+    prof = r.get("kernel_profile", {"error": "not taken (--no-kernel-profile)"})
     if "error" in prof:
         print("  kernel profile:", prof["error"])
         return
@@ -181,19 +187,23 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=8, help="calls in the timed program")
     parser.add_argument("--profile-space", type=int, default=600,
                         help="scope ranges a warpgroup's profile holds (later ones dropped)")
+    parser.add_argument("--no-kernel-profile", action="store_true")
     parser.add_argument("--out-dir", default="prefill_anatomy")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     rows = []
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "commit": os.environ.get("JAXLLM_COMMIT"), "profiled_config": repr(PROFILED),
-              "rows": rows}
+              "ceilings": ceilings(), "rows": rows}
+    matmul = result["ceilings"]["matmul_TFLOPs"]
+    print(f"matmul {matmul:.0f} TFLOP/s", flush=True)
     start = time.time()
     for point in args.points.split(","):
         chunk, cached = (int(x) for x in point.split(":"))
         try:
-            rows.append(one_point(chunk, cached, args.calls, args.out_dir, args.profile_space))
-            print_row(rows[-1])
+            rows.append(one_point(chunk, cached, args.calls, args.out_dir,
+                                  None if args.no_kernel_profile else args.profile_space))
+            print_row(rows[-1], matmul)
         except Exception as e:  # noqa: BLE001 - recorded, the next point runs
             rows.append({"chunk": chunk, "cached": cached,
                          "error": f"{type(e).__name__}: {str(e)[:400]}"})

@@ -117,11 +117,15 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
     busy_ns, idle = _busy_and_gaps([(s, s + d) for _, s, d in kernels])
     idle_ms = np.array(idle) / 1e6
     long_idle = idle_ms[idle_ms >= 0.05]
-    by_kernel = collections.defaultdict(lambda: [0, 0.0])
-    for name, _, d in kernels:
+    by_kernel = collections.defaultdict(lambda: [0, 0.0, 0.0])  # count, ns, idle ns before
+    end = None
+    for name, start, d in sorted(kernels, key=lambda k: k[1]):
         group = by_kernel[_kernel_group(name)]
         group[0] += 1
         group[1] += d
+        if end is not None and start > end:  # the device waited for this kernel's launch
+            group[2] += start - end
+        end = start + d if end is None else max(end, start + d)
     return {
         "trace": path, "steps": len(steps), "span_ms": span_ns / 1e6, "busy_ms": busy_ns / 1e6,
         "busy_fraction": busy_ns / span_ns, "device_lines": dict(lines),
@@ -131,8 +135,10 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
                          "max": float(idle_ms.max()) if idle_ms.size else 0.0,
                          "total": float(idle_ms.sum())},
         "step_shapes": steps,
-        "kernels": [{"kernel": k, "count": c, "total_ms": t / 1e6, "share": t / busy_ns}
-                    for k, (c, t) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])[:top]],
+        "kernels": [{"kernel": k, "count": c, "total_ms": t / 1e6, "share": t / busy_ns,
+                     "idle_before_ms": idle / 1e6}
+                    for k, (c, t, idle) in sorted(by_kernel.items(),
+                                                  key=lambda kv: -kv[1][1])[:top]],
     }
 
 

@@ -14,7 +14,7 @@ with the most keys first, and three warpgroups run each item:
               run on across items, so the next item's first keys load while this one's last
               are used (and with prefetch_q, the next item's q)
 
-q is read in place (padded by one block's rows so that a block's box never leaves it) and
+q is read in place (a block's box past its end reads zeros) and
 each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
 ragged), so another sequence's rows are never written and memory stays proportional to the
 tokens. Blocks of no query (a sequence slot without one, a decode skipped for the decode
@@ -165,7 +165,6 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                         s = pl.run_scoped(qk, plgpu.ACC((block_q, block_kv), jnp.float32))
                 plgpu.barrier_arrive(k_free.at[slot])
                 with jax.named_scope("softmax_masked" if masked else "softmax"):
-                    s = s * scale_log2
                     if masked:
                         rows = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
                                                       layout=plgpu.Layout.WGMMA)
@@ -173,15 +172,24 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                                                       layout=plgpu.Layout.WGMMA)
                         s = jnp.where(keys + step * block_kv <= rows + (pos0 + row0), s,
                                       -jnp.inf)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    # m is kept scaled (scale > 0), so that p's exponent is one FMA an entry.
+                    m_new = jnp.maximum(m_i, s.max(axis=1) * scale_log2)
                     alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                    p = jnp.exp2(s * scale_log2 - lax.broadcast_in_dim(m_new, s.shape, [0]))
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     l_i = l_i * alpha + p.sum(axis=1)
                     p16 = p.astype(dtype)
+                    # Finished here, before the turn below: not moved past it by the compiler.
+                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
                 slot = v_slot(first_step + step)
+                # Two turns a step: this warpgroup's P V waits until the other's product is
+                # issued, so that the tensor cores alternate products while each warpgroup's
+                # softmax runs beside the other's.
+                plgpu.barrier_arrive(turn)
                 with jax.named_scope("v_wait"):
                     plgpu.barrier_wait(v_ready.at[slot])
+                with jax.named_scope("pv_turn"):
+                    plgpu.barrier_wait(turn)
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -209,6 +217,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 plgpu.barrier_arrive(k_free.at[k])
                 plgpu.barrier_wait(v_ready.at[v])
                 plgpu.barrier_arrive(v_free.at[v])
+                take_turn()
                 take_turn()
 
             with jax.named_scope("drain"):
@@ -346,9 +355,13 @@ def paged_attention_prefill_hopper(
     # [QB, W] flat page ids
     tables = block_tables[seq[order]].astype(jnp.int32) + layer * num_pages
     flat = lambda pool: pool.reshape(layers * num_pages, block_size, num_kv_heads, head_dim)
-    # [T + rows, Hq D]: a block's box never leaves it; rows as 2-D boxes (a squeezed head
-    # axis with a traced row start fails JAX 0.11.2's layout inference).
-    q_padded = jnp.pad(q, ((0, rows), (0, 0), (0, 0))).reshape(-1, num_q_heads * head_dim)
+    # [T, Hq D]: rows as 2-D boxes (a squeezed head axis with a traced row start fails JAX
+    # 0.11.2's layout inference). A block's box may leave q at its end: TMA fills those rows
+    # with zeros. JAX's GPU interpreter clamps such a box instead (shifting its rows), so
+    # there q is padded by one block's rows (on the device, a pass over q: 12 us a 2k-token
+    # call on the H200, 2.5 ms of an 8k-token mixed step's 194).
+    q_flat = (jnp.pad(q, ((0, rows), (0, 0), (0, 0))) if interpret else q).reshape(
+        -1, num_q_heads * head_dim)
 
     k_in_flight, v_in_flight = config.max_concurrent_steps, config.v_steps
     q_rows = (2, config.block_q, head_dim)  # per compute warpgroup
@@ -392,5 +405,5 @@ def paged_attention_prefill_hopper(
                                   "profile_bounds_check": True} if profile else {})),
         **({"interpret": plgpu.InterpretGPUParams() if interpret is True else interpret}
            if interpret else {}),
-    )(meta, tables, num_items, q_padded, flat(k_pool), flat(v_pool))
+    )(meta, tables, num_items, q_flat, flat(k_pool), flat(v_pool))
     return out.reshape(q.shape)
