@@ -22,7 +22,8 @@
 #             bash benchmarks/h200_accept.sh wait 560
 #   call 2:   bash benchmarks/h200_accept.sh wait 400
 #   ONLY17=all in front of `start`: issue 17's goals alone (g0 the Hopper prefill kernel's GPU
-#   tests, k1 with its configs instead of Triton's sweep, then l1, t1, s1, t2; no BEFORE tree):
+#   tests, k1 with its configs instead of Triton's sweep, a1 the prefill kernel's device time
+#   (prefill_anatomy), then l1, t1, s1, t2; no BEFORE tree):
 #   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps; "w5" (not in all): issue 16's warm
 #   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm;
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile)
@@ -87,7 +88,7 @@ steps() {
 # Issue 17's goals at the tree's defaults (attention backend auto: the Hopper prefill kernel on
 # the H200), the prefill kernel's configs timed beside Triton's default.
 only17() {
-  local only=" ${ONLY17/all/g0 k1 l1 t1 s1 t2} "
+  local only=" ${ONLY17/all/g0 k1 a1 l1 t1 s1 t2} "
   picked() { [[ $only == *" $1 "* ]]; }
   # shellcheck disable=SC2086
   {
@@ -97,6 +98,11 @@ only17() {
     if [ -f "$DIR/failed" ]; then echo "kernel checks failed: chain stopped" >> "$DIR/steps.txt"; return 0; fi
     picked k1 && step k1_kernels 90 280 $PY $KERNELS --budget-s 100 --no-prefill-sweep --no-prefill-reference \
       --hopper --out "$DIR/k1_kernels.json"
+    # The prefill kernel's own device time (a trace), apart from the program's dispatch and
+    # block plan
+    picked a1 && step a1_prefill_anatomy 60 150 $PY -m jaxllm.benchmarks.prefill_anatomy \
+      --no-kernel-profile --out-dir "$DIR/a1"
+    rm -rf "$DIR"/a1/trace_*
     picked l1 && step l1_latency 50 100 $PY $LATENCY --output-json "$DIR/l1_latency.json"
     picked t1 && step t1_sharegpt 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
       --output-json "$DIR/t1_sharegpt.json"

@@ -33,15 +33,14 @@ def _prefill_name(c: PrefillConfig) -> str:
 
 
 # The Hopper kernel's default first ("hopper": the table's column; 3 K + 2 V slots of 128
-# keys, prefetch_q), then variants that fit its shared memory at head_dim 128, every field
+# keys, prefetch_q), then a variant that fits its shared memory at head_dim 128, every field
 # that differs from the kernel's own default spelled out (4 x 64-key slots without
-# prefetch_q, and 2 slots of 128 with it, were timed on 2026-12-03 and trail these).
+# prefetch_q, and 2 slots of 128 with it, were timed on 2026-12-03 and trail these; 4 x 64
+# with prefetch_q trailed at 0 and 8k cached on 2026-12-04).
 HOPPER_CONFIGS = {
     "hopper": HopperPrefillConfig(),
     "hopper_s3_one_q": HopperPrefillConfig(max_concurrent_steps=3, v_concurrent_steps=None,
                                            prefetch_q=False),
-    "hopper_kv64_s4_prefetch": HopperPrefillConfig(block_kv=64, max_concurrent_steps=4,
-                                                   v_concurrent_steps=None, prefetch_q=True),
 }
 # Every field spelled out: a name stays true when the defaults change.
 PREFILL_SWEEP = {_prefill_name(c): c for c in [
@@ -82,8 +81,11 @@ def bench_prefill(chunk: int, cached: int, impls: dict, *, plan, block: int,
     k, v, flops = p["k"], p["v"], p["flops"]
     result = {"chunk": chunk, "cached": cached, "GFLOP": flops / 1e9}
     for name, fn in impls.items():
-        # One reference call a program: XLA merges the dots of calls that share K and V.
-        num_calls = 1 if name == "reference" else min(plan.max_calls, 8)
+        # One reference call a program: XLA merges the dots of calls that share K and V. The
+        # kernels: 32 calls a program, as an engine step's 32 layers (one dispatch, the block
+        # plan computed once); with 8, the program's ~0.5 ms of dispatch and plan was a third
+        # of a 2k chunk's call on the H200 (benchmarks/prefill_anatomy.py, 2026-12-04).
+        num_calls = 1 if name == "reference" else min(plan.max_calls, 32)
         q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
         call = lambda i, q, k, v, fn=fn: fn(q[i], k, v, 0, p["tables"], p["seq_lens"],
                                             p["starts"], p["positions"],

@@ -6,8 +6,9 @@ item is one query head and 2 x block_q consecutive tokens of one sequence (a que
 with the most keys first, and three warpgroups run each item:
 
     wg 0, 1   compute: rows [w block_q, (w + 1) block_q) of the block; S = Q K^T and O += P V
-              with wgmma, online softmax in registers; keys below every row's position
-              unmasked, the rest under the causal mask
+              with wgmma, online softmax in registers, the two warpgroups' products taking
+              the tensor cores in turn (one's softmax runs beside the other's products); keys
+              below every row's position unmasked, the rest under the causal mask
     wg 2      memory: each step's block_kv keys as block_kv / page_size page copies (TMA) per
               K and V into rings of max_concurrent_steps (K) and v_concurrent_steps (V)
               slots, a slot refilled once both compute warpgroups have consumed it; the rings
@@ -17,22 +18,17 @@ with the most keys first, and three warpgroups run each item:
 q is read in place (a block's box past its end reads zeros) and
 each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
 ragged), so another sequence's rows are never written and memory stays proportional to the
-tokens. Blocks of no query (a sequence slot without one, a decode skipped for the decode
-kernel) are no item: a program each, as a grid of (heads, blocks) gave them, cost the engine's
-mixed step (1,024 slots) more than the kernel saved (benchmarks/RESULTS.md, 2026-12-03), and
-in a long causal chunk the heaviest blocks, last in token order, ran last.
+tokens. Blocks of no query (a sequence slot without one, a decode left to the decode kernel)
+are no item: as programs of a (heads, blocks) grid they cost the engine's mixed step more than
+the kernel saved (benchmarks/RESULTS.md, 2026-12-03).
 
 Status (tests/test_prefill_hopper.py): run against the reference by JAX's GPU interpreter on
 CPU (warpgroups, barriers and page copies as written, the two products as register dots) and
-on an H200. The engine runs it through :func:`paged_attention_mixed`'s
-``prefill_kernel="mosaic"``: attention backend "pallas_mosaic", the default ("auto") on Hopper.
-On the H200 (benchmarks/RESULTS.md, 2026-12-04) it ran 2k-token chunks over 0 / 2k / 8k cached
-tokens at 32 / 44 / 59% of the matmul rate (29 / 42 / 56% in a second call), the Triton
-kernel at 19 / 29 / 36%; JAX's own Mosaic GPU attention (unpaged, unmasked 2k x 4k / 2k x
-10k) reached 71-82% (2026-12-03).
-The three points fit 77-91 us a call plus the work at 456-492 TFLOP/s (two machines): a 2k
-chunk's 512 items cost about that much, whatever the cached tokens, outside the steps'
-products; that fixed part is what keeps short chunks far below the matmul rate.
+on an H200; the engine's default prefill kernel on Hopper (attention backend "pallas_mosaic").
+On the H200 (benchmarks/RESULTS.md, 2026-12-04, prefill_anatomy) its own device time on 2k
+chunks over 0 / 2k / 8k cached tokens: 73.6 / 189.1 / 561.2 us = 467 / 545 / 551 TFLOP/s,
+68-80% of the matmul rate measured beside it; a step is then two-thirds softmax-bound (the
+profile's scopes: softmax ~1,550 cycles a step against ~1,300 for both products).
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
 masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
 hold written K/V.
@@ -323,9 +319,8 @@ def paged_attention_prefill_hopper(
     ``interpret`` (True, or the interpreter's params, e.g. with its race detector): JAX's GPU
     interpreter (CPU) runs the warpgroups, barriers and page copies as written, the two
     products as register dots (it has no wgmma). ``profile`` (directory, ranges a warpgroup):
-    Mosaic GPU's on-device profiler records the kernel's named scopes (q_wait, k_wait, qk_turn,
-    softmax, pv, epilogue, ...) in shared memory, which must have room left for them, and
-    writes each call's trace there as ``<ns>-trace.json`` (benchmarks/prefill_anatomy.py)."""
+    Mosaic GPU's on-device profiler records the named scopes in the shared memory the config
+    leaves and writes each call's trace there (benchmarks/prefill_anatomy.py)."""
     common.check_shapes(q, k_pool, v_pool)
     config = config or HopperPrefillConfig()
     reason = unsupported(q, k_pool, sliding_window, config)
