@@ -27,8 +27,8 @@ CPU (warpgroups, barriers and page copies as written, the two products as regist
 on an H200; the engine's default prefill kernel on Hopper (attention backend "pallas_mosaic").
 On the H200 (benchmarks/RESULTS.md, 2026-12-04, prefill_anatomy) its own device time on 2k
 chunks over 0 / 2k / 8k cached tokens: 73.6 / 189.1 / 561.2 us = 467 / 545 / 551 TFLOP/s,
-68-80% of the matmul rate measured beside it; a step is then two-thirds softmax-bound (the
-profile's scopes: softmax ~1,550 cycles a step against ~1,300 for both products).
+68-80% of the matmul rate measured beside it; a step is bound by each warpgroup's softmax
+(the profile's scopes: ~1,550 cycles a step against ~1,300 for its two products).
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
 masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
 hold written K/V.
