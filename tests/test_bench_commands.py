@@ -497,6 +497,37 @@ def test_step_profile_reads_the_shape_of_the_launched_step():
     assert _step_info(types.SimpleNamespace(_inflight=None)) is None
 
 
+def test_prefill_anatomy_splits_a_kernel_profile_by_role_and_scope(tmp_path):
+    """``prefill_anatomy`` reads Mosaic GPU's on-device profile (a Chrome trace: a trace per
+    warpgroup of each program, cycles within a trace): each scope's share of its role's span,
+    its count and cycles each, and the programs' start spread."""
+    from jaxllm.benchmarks.prefill_anatomy import summarize_kernel_profile
+
+    def scope(name, tid, begin, end):  # ts in kilo-cycles past the program's start (us)
+        return [{"name": name, "ph": "B", "ts": begin, "pid": 1, "tid": tid},
+                {"name": name, "ph": "E", "ts": end, "pid": 1, "tid": tid}]
+
+    events = []
+    for program, start in ((0, 100.0), (1, 103.0)):  # 3 warpgroups a program: tid 1 + 3p + wg
+        for wg in (0, 1):
+            events += scope("softmax", 1 + 3 * program + wg, start, start + 1.5)
+            events += scope("pv", 1 + 3 * program + wg, start + 1.5, start + 2.0)
+        events += scope("tables", 3 + 3 * program, start, start + 0.5)
+        events += scope("v_released", 3 + 3 * program, start + 0.5, start + 2.0)
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
+    r = summarize_kernel_profile(str(path))
+    assert r["programs"] == 2
+    compute, memory = r["compute"], r["memory"]
+    assert compute["mean_span_cycles"] == pytest.approx(2000)
+    assert compute["scopes"]["softmax"]["share"] == pytest.approx(0.75)
+    assert compute["scopes"]["pv"] == pytest.approx({"share": 0.25, "mean_count": 1,
+                                                     "mean_cycles_each": 500})
+    assert memory["scopes"]["v_released"]["share"] == pytest.approx(0.75)
+    assert set(memory["scopes"]) == {"tables", "v_released"}
+    assert r["program_start_us"] == pytest.approx({"min": 0.0, "p50": 1.5, "max": 3.0})
+
+
 def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_path):
     """``bench latency`` end to end on the tiny model with an FP8 pool: each batch size has a
     waited and a back-to-back step, and the roofline counts one byte per KV element."""
