@@ -4,9 +4,11 @@ For each point (a chunk of new tokens over cached ones, Llama-3-8B heads, as ``k
 --acceptance`` builds it) one program of N calls of ``paged_attention_prefill_hopper`` is seen
 three ways:
 
-1. timed as k1 times it (``kernels.py --dispatch-included``): the program's wall over N;
+1. timed as k1 times it (``kernels.py --dispatch-included``; k1 makes N 32, this N 8 unless
+   ``--calls`` says otherwise): the program's wall over N;
 2. a device trace (``jax.profiler``): each kernel's device time a call, so the Mosaic kernel's
-   own time (and TFLOP/s) apart from what XLA runs around it (q's padding, the block plan);
+   own time (and TFLOP/s) apart from what XLA runs around it (the block plan, once a program;
+   q's padding before ``a904c45``), and the device's idle time before each kernel group;
 3. the kernel's own profile (Mosaic GPU's on-device profiler over the kernel's named scopes),
    for a config that leaves shared memory for it: per warpgroup role, the share of a program's
    span in each scope (waits on K / V / q, the products, softmax, epilogue), and the spread of
