@@ -485,7 +485,7 @@ def test_step_profile_reads_the_shape_of_the_launched_step():
 
     from jaxllm.engine.buckets import StepShape
     from jaxllm.engine.llm_engine import _LaunchedStep
-    from jaxllm.engine.model_runner import LaunchedForward, PendingStep
+    from jaxllm.engine.step_handles import LaunchedForward, PendingStep
 
     out = types.SimpleNamespace(num_batched_tokens=37)
     shape = StepShape(num_tokens=64, num_seqs=8, table_width=4, is_decode=False)

@@ -96,7 +96,7 @@ def assert_no_leak(engine):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_continuous_batching_equals_one_at_a_time(model, async_scheduling, monkeypatch):
-    from jaxllm.engine.model_runner import PendingStep
+    from jaxllm.engine.step_handles import PendingStep
 
     prompts, max_tokens = workload()
     engine = make_engine(model, async_scheduling=async_scheduling)

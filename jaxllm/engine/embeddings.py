@@ -8,10 +8,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxllm.engine.model_runner import StepResult
 from jaxllm.engine.outputs import EmbeddingOutput, EmbeddingRequestOutput
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.engine.sequence import SequenceGroup
+from jaxllm.engine.step_handles import StepResult
 from jaxllm.pooling_params import PoolingParams, finish_embedding
 
 

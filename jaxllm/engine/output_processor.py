@@ -18,8 +18,8 @@ from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # host arrays only: this module never imports jax
-    from jaxllm.engine.model_runner import StepResult
     from jaxllm.engine.scheduler_output import ScheduledSample
+    from jaxllm.engine.step_handles import StepResult
 
 
 class OutputProcessor:

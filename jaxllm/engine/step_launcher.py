@@ -23,17 +23,17 @@ from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, SequenceStatus
 if TYPE_CHECKING:
     from jaxllm.engine.block_manager import BlockManager
     from jaxllm.engine.embeddings import EmbeddingRequests
-    from jaxllm.engine.model_runner import (
-        LaunchedForward,
-        ModelRunner,
-        PendingStep,
-        PreparedForward,
-        StepResult,
-    )
+    from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.engine.output_processor import OutputProcessor
     from jaxllm.engine.sampler_table import SamplerTable
     from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
     from jaxllm.engine.stats import EngineStats
+    from jaxllm.engine.step_handles import (
+        LaunchedForward,
+        PendingStep,
+        PreparedForward,
+        StepResult,
+    )
     from jaxllm.sampling import SamplerBatch
     from jaxllm.structured import GrammarTask, StructuredOutputs
 
