@@ -15,12 +15,11 @@ with the most keys first, and three warpgroups run each item:
               run on across items, so the next item's first keys load while this one's last
               are used (and with prefetch_q, the next item's q)
 
-q is read in place (a block's box past its end reads zeros) and
-each warpgroup stores only its sequence's rows, in boxes of 2^i rows (a chunk's last block is
-ragged), so another sequence's rows are never written and memory stays proportional to the
-tokens. Blocks of no query (a sequence slot without one, a decode left to the decode kernel)
-are no item: as programs of a (heads, blocks) grid they cost the engine's mixed step more than
-the kernel saved (benchmarks/RESULTS.md, 2026-12-03).
+q is read in place (a block's box past its end reads zeros) and each warpgroup stores only
+its sequence's rows, in boxes of 2^i rows (a chunk's last block is ragged), so another
+sequence's rows are never written and memory stays proportional to the tokens. Blocks of no
+query (a sequence slot without one, a decode left to the decode kernel) are no item: as
+programs of a (heads, blocks) grid they cost the mixed step more than the kernel saved.
 
 Status (tests/test_prefill_hopper.py): run against the reference by JAX's GPU interpreter on
 CPU (warpgroups, barriers and page copies as written, the two products as register dots) and
@@ -205,9 +204,8 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                                           functools.partial(kv_step, masked=True), carry)
 
             def drain(step, _):
-                # Steps only the other warpgroup needs: each is waited for before it is
-                # released, so that a release never counts towards a slot's earlier fill (the
-                # memory warpgroup would overwrite a slot still being read).
+                # Steps only the other warpgroup needs, each waited for before its release (a
+                # release counted towards an earlier fill would let a read slot be refilled).
                 k, v = k_slot(first_step + step), v_slot(first_step + step)
                 plgpu.barrier_wait(k_ready.at[k])
                 plgpu.barrier_arrive(k_free.at[k])
@@ -230,8 +228,7 @@ def _kernel(meta_ref, tables_ref, items_ref, q_ref, k_ref, v_ref, out_ref, scope
                 acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
                 q_smem[...] = acc.astype(dtype)  # untiled: stores start anywhere
                 plgpu.commit_smem()
-            # This warpgroup's rows of the sequence, stored in boxes of 2^i rows (one per set
-            # bit).
+            # This warpgroup's rows of the sequence, in boxes of 2^i rows (one per set bit).
             rows = jnp.clip(num_rows - row0, 0, block_q)
             start = rows & 0  # traced (a constant start fails to lower with the traced ones)
             size = 1 << (block_q.bit_length() - 1)
