@@ -74,6 +74,16 @@ def prefill_problem(chunk: int, cached: int, heads: str, *, block: int,
             "flops": 4 * h.num_q_heads * h.head_dim * pairs}
 
 
+def prefill_call(fn: Callable, p: dict, scale: float) -> Callable:
+    """``call(i, q_all, k, v)``: ``fn`` on the i-th query of ``q_all`` over
+    :func:`prefill_problem` ``p``'s pool. ``fn`` is jitted on its own, so that a program of
+    many calls traces and lowers it once (32 lowerings of the Mosaic kernel took k1 past its
+    time limit)."""
+    one = jax.jit(functools.partial(fn, scale=scale))
+    return lambda i, q, k, v: one(q[i], k, v, 0, p["tables"], p["seq_lens"], p["starts"],
+                                  p["positions"])
+
+
 def bench_prefill(chunk: int, cached: int, impls: dict, *, plan, block: int,
                   pseudo_random: Callable, time_per_call: Callable) -> dict:
     """One row: each of ``impls`` on a ``chunk``-token prefill over ``cached`` tokens, with the
@@ -89,11 +99,7 @@ def bench_prefill(chunk: int, cached: int, impls: dict, *, plan, block: int,
         # of a 2k chunk's call on the H200 (benchmarks/prefill_anatomy.py, 2026-12-04).
         num_calls = 1 if name == "reference" else min(plan.max_calls, 32)
         q_all = pseudo_random((num_calls, chunk, h.num_q_heads, h.head_dim), 4.5)
-        # A jit inside the program: the call is traced and lowered once for all its calls
-        # (32 lowerings of the Mosaic kernel took k1 past its time limit).
-        one = jax.jit(functools.partial(fn, scale=h.head_dim ** -0.5))
-        call = lambda i, q, k, v, one=one: one(q[i], k, v, 0, p["tables"], p["seq_lens"],
-                                               p["starts"], p["positions"])
+        call = prefill_call(fn, p, h.head_dim ** -0.5)
         try:
             sec = time_per_call(call, num_calls, (q_all, k, v))
             result[name] = {"us": sec * 1e6, "tokens_per_s": chunk / sec,

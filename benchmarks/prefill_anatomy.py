@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 from jaxllm.benchmarks.kernels import ceilings, pseudo_random, run_timed
-from jaxllm.benchmarks.kernels_prefill import prefill_problem
+from jaxllm.benchmarks.kernels_prefill import prefill_call, prefill_problem
 from jaxllm.benchmarks.step_profile import summarize_trace
 from jaxllm.pallas_kernels.paged_attention.prefill_hopper import paged_attention_prefill_hopper
 from jaxllm.pallas_kernels.paged_attention.prefill_hopper_config import HopperPrefillConfig
@@ -47,16 +47,9 @@ CLOCK_GHZ = 1.98  # the H200's SM clock under load (nvidia-smi's max); cycles ->
 
 
 def _program(p: dict, config: HopperPrefillConfig, num_calls: int, profile=None):
-    scale = HEAD_SHAPES[HEADS].head_dim ** -0.5
-
-    # Traced and lowered once for all the program's calls (a jit inside the program).
-    one = jax.jit(functools.partial(paged_attention_prefill_hopper, scale=scale, config=config,
-                                    profile=profile))
-
-    def calls(q_all, k, v):
-        return [one(q_all[i], k, v, 0, p["tables"], p["seq_lens"], p["starts"], p["positions"])
-                for i in range(num_calls)]
-    return jax.jit(calls)
+    call = prefill_call(functools.partial(paged_attention_prefill_hopper, config=config,
+                                          profile=profile), p, HEAD_SHAPES[HEADS].head_dim ** -0.5)
+    return jax.jit(lambda q_all, k, v: [call(i, q_all, k, v) for i in range(num_calls)])
 
 
 def device_view(program, args, trace_dir: str, num_calls: int, flops: float) -> dict:
