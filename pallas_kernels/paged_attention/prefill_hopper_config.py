@@ -28,6 +28,8 @@ class HopperPrefillConfig:
     # block_q 64). With 3 K + 2 V slots, on the H200 (benchmarks/RESULTS.md, 2026-12-04):
     # 235 / 323 / 439 TFLOP/s over 0 / 2k / 8k cached tokens against 209 / 336 / 432 with one
     # q buffer and 3 + 3 slots; the engine's chunks are mostly short, where it gains most.
+    # (Both timed with the step loop before a904c45; after it, on another machine, 3 + 3
+    # slots with one q buffer led at 2k and 8k cached and trailed at 0: RESULTS.md, call 4.)
     prefetch_q: bool = True
 
     @property
