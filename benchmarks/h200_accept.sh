@@ -26,7 +26,8 @@
 #   (prefill_anatomy), then l1, t1, s1, t2; no BEFORE tree):
 #   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps; "w5" (not in all): issue 16's warm
 #   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm;
-#   "p2" (not in all): a device trace of t1's first mixed steps (step_profile)
+#   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
+#   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -120,6 +121,22 @@ only17() {
       ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like \
       --trace-steps 3:6 --host-profile-steps 40:60 --top 40 --out-dir "$DIR/p2"
     rm -rf "$DIR"/p2/trace
+    # Issue 16's FP8 W8A8 offline beside t1's bf16 (f8: the projection's formulations at the
+    # engine's token counts; t1f: t1 with --quantization fp8; p2f / p3f: where its mixed and
+    # small decode steps spend their device time)
+    picked f8 && step f8_fp8_matmul 40 150 bash -c "$PY -m jaxllm.benchmarks.fp8_matmul \
+      --tokens 1,16,64,128,256,2048,8192 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
+      && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,16,64,128,256,2048,8192 --variants N,K \
+      --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
+    picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
+      --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    picked p2f && step p2f_profile_fp8_mixed 60 200 $PY -m jaxllm.benchmarks.step_profile \
+      ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like --quantization fp8 \
+      --trace-steps 3:6 --host-profile-steps 40:60 --top 30 --out-dir "$DIR/p2f"
+    picked p3f && step p3f_profile_fp8_tail 60 200 $PY -m jaxllm.benchmarks.step_profile \
+      ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like --quantization fp8 \
+      --trace-steps 820:40 --host-profile-steps 700:60 --top 30 --out-dir "$DIR/p3f"
+    rm -rf "$DIR"/p2f/trace "$DIR"/p3f/trace
     if picked w5; then  # issue 16's warm restart from a converted checkpoint (as h200_next's)
       local hf=/tmp/llama-3-8b-hf orbax=/tmp/llama-3-8b-hf-orbax
       rm -rf "$hf" "$orbax"
@@ -140,7 +157,8 @@ summary() {
   grep -h "^total\|^wall" "$DIR"/t*.log 2>/dev/null | cut -c1-200
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
   grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
-  grep -h "pass 1\|traced" "$DIR"/p2*.log 2>/dev/null | cut -c1-250
+  grep -h "pass 1\|traced" "$DIR"/p2*.log "$DIR"/p3*.log 2>/dev/null | cut -c1-250
+  grep -h "x  \|variant" "$DIR"/f8*.log 2>/dev/null | cut -c1-120
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }
 
