@@ -72,7 +72,7 @@ def run(args) -> dict:
         x = jnp.asarray(rng.standard_normal((tokens, k), np.float32), jnp.bfloat16)
         for name, fn in _variants().items():
             operand = w if name == "bf16" else weights["N,K" in name]
-            wanted = args.variants.split(",") if args.variants else [""]
+            wanted = args.variants.split("|") if args.variants else [""]
             if name != "bf16" and not any(v in name for v in wanted):
                 continue
             step = jax.jit(fn).lower(x, operand, w_scale).compile()
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=28672, help="default: Llama-3-8B's fused "
                         "gate_up projection (2 x 14336)")
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--variants", default="", help="comma-separated substrings: only the "
+    parser.add_argument("--variants", default="", help="|-separated substrings: only the "
                         "variants whose names hold one (bf16 always runs)")
     parser.add_argument("--output-json", default=None)
     run(parser.parse_args(argv))
