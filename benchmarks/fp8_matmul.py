@@ -7,7 +7,8 @@ MLP's shape, for several token counts. The weight is stored either [K, N] (as th
 today) or [N, K] (K-major on both operands, the layout cuBLASLt's FP8 GEMM takes without a
 transpose), and the dot's output type is float32 or bfloat16 (cuBLASLt accumulates in float32
 either way). Printed: median microseconds, TFLOP/s, speed-up over bf16, and whether the
-optimized HLO calls cuBLASLt's FP8 GEMM (``__cublas$lt$matmul$f8``).
+optimized HLO calls cuBLASLt's FP8 GEMM (``__cublas$lt$matmul$f8``). Calls are timed back to
+back (one wait a round of ``--iters``), compiled with the engine's FP8 options.
 
     python -m jaxllm.benchmarks.fp8_matmul --tokens 1,64,256,2048 --output-json fp8.json
     python -m jaxllm.benchmarks.fp8_matmul --variants "N,K" --k 14336 --n 4096   # down
@@ -61,39 +62,54 @@ def run(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.quantization import compile_options as co
+    from jaxllm.quantization.config import QuantizationConfig
+
     k, n = args.k, args.n
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
     w_scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0) / FP8_MAX  # f32 [N]
     wq_kn = (w.astype(jnp.float32) / w_scale).astype(jnp.float8_e4m3fn)
     weights = {False: wq_kn, True: jnp.asarray(wq_kn.T)}
+    # The engine's FP8 compile options (XLA's default autotuner timed FP8 algorithms for
+    # minutes a shape; the 2026-12-04 run of this benchmark died in it).
+    options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
+        if jax.default_backend() == "gpu" else {}
+    wanted = args.variants.split("|") if args.variants else [""]
     rows = []
+    print(f"{'tokens':>6}  {'variant':<28}{'us':>10}{'TFLOP/s':>9}{'weight TB/s':>12}"
+          f"{'vs bf16':>9}  FP8 GEMM", flush=True)
     for tokens in [int(t) for t in args.tokens.split(",")]:
         x = jnp.asarray(rng.standard_normal((tokens, k), np.float32), jnp.bfloat16)
+        base = None
         for name, fn in _variants().items():
-            operand = w if name == "bf16" else weights["N,K" in name]
-            wanted = args.variants.split("|") if args.variants else [""]
             if name != "bf16" and not any(v in name for v in wanted):
                 continue
-            step = jax.jit(fn).lower(x, operand, w_scale).compile()
+            operand = w if name == "bf16" else weights["N,K" in name]
+            step = jax.jit(fn).lower(x, operand, w_scale).compile(compiler_options=options)
             hlo = step.as_text()
             for _ in range(3):
                 step(x, operand, w_scale).block_until_ready()
-            times = []
-            for _ in range(args.iters):
+            # Back to back, one wait per round (as the engine's steps launch): a small
+            # kernel's time, not its launch and wait.
+            rounds = []
+            for _ in range(3):
                 t = time.perf_counter()
-                step(x, operand, w_scale).block_until_ready()
-                times.append(time.perf_counter() - t)
-            us = 1e6 * float(np.median(times))
-            rows.append({"tokens": tokens, "variant": name, "us": us,
-                         "tflops": 2 * tokens * k * n / (us * 1e-6) / 1e12,
-                         "cublaslt_fp8": "__cublas$lt$matmul$f8" in hlo})
-    base = {r["tokens"]: r["us"] for r in rows if r["variant"] == "bf16"}
-    print(f"{'tokens':>6}  {'variant':<28}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}  FP8 GEMM")
-    for r in rows:
-        r["speedup_vs_bf16"] = base[r["tokens"]] / r["us"]
-        print(f"{r['tokens']:>6}  {r['variant']:<28}{r['us']:>10.1f}{r['tflops']:>9.1f}"
-              f"{r['speedup_vs_bf16']:>8.2f}x  {r['cublaslt_fp8']}")
+                for _ in range(args.iters):
+                    y = step(x, operand, w_scale)
+                y.block_until_ready()
+                rounds.append((time.perf_counter() - t) / args.iters)
+            us = 1e6 * float(np.median(rounds))
+            base = base or us
+            row = {"tokens": tokens, "variant": name, "us": us,
+                   "tflops": 2 * tokens * k * n / (us * 1e-6) / 1e12,
+                   "weight_tbps": operand.nbytes / (us * 1e-6) / 1e12,
+                   "speedup_vs_bf16": base / us,
+                   "cublaslt_fp8": "__cublas$lt$matmul$f8" in hlo}
+            rows.append(row)
+            print(f"{tokens:>6}  {name:<28}{us:>10.1f}{row['tflops']:>9.1f}"
+                  f"{row['weight_tbps']:>12.2f}{row['speedup_vs_bf16']:>8.2f}x  "
+                  f"{row['cublaslt_fp8']}", flush=True)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "k": k, "n": n,
               "rows": rows}
     if args.output_json:

@@ -125,8 +125,8 @@ only17() {
     # engine's token counts; t1f: t1 with --quantization fp8; p2f / p3f: where its mixed and
     # small decode steps spend their device time)
     picked f8 && step f8_fp8_matmul 40 150 bash -c "$PY -m jaxllm.benchmarks.fp8_matmul \
-      --tokens 1,16,64,128,256,2048,8192 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
-      && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,16,64,128,256,2048,8192 --variants N,K \
+      --tokens 1,8,16,32,64,128,256 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
+      && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,8,16,32,64,128,256 --variants N,K \
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
@@ -159,6 +159,7 @@ summary() {
   grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
   grep -h "pass 1\|traced" "$DIR"/p2*.log "$DIR"/p3*.log 2>/dev/null | cut -c1-250
   grep -h "x  \|variant" "$DIR"/f8*.log 2>/dev/null | cut -c1-120
+  grep -h "^decode\|^mixed" "$DIR"/t1f*.log 2>/dev/null | cut -c1-200
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }
 
