@@ -130,13 +130,12 @@ only17() {
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
-    # FP8's small decode steps, waited and back to back: W8A8 at every size (env 0), the
-    # small-step weight-only default, the default under SKIP_TEMP command buffers; bf16 beside
+    # FP8's small decode steps, waited and back to back, under XLA's default and SKIP_TEMP
+    # command buffers; bf16 beside
     local small="${LATENCY//$'\n'/ }"; small="${small/1,64,256/1,8,64}"
-    picked l8 && step l8_fp8_small 40 330 bash -c "JAXLLM_FP8_WEIGHT_ONLY_MAX_TOKENS=0 $PY \
-      $small -q fp8 --output-json $DIR/l8_w8a8.json; $PY $small -q fp8 \
-      --output-json $DIR/l8_weight_only.json; XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP \
-      $PY $small -q fp8 --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
+    picked l8 && step l8_fp8_small 40 330 bash -c "$PY $small -q fp8 --output-json $DIR/l8_w8a8.json; \
+      XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PY $small -q fp8 \
+      --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
     picked p2f && step p2f_profile_fp8_mixed 60 200 $PY -m jaxllm.benchmarks.step_profile \
       ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like --quantization fp8 \
       --trace-steps 3:6 --host-profile-steps 40:60 --top 30 --out-dir "$DIR/p2f"

@@ -16,11 +16,7 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   transposed weight is why the GEMM is fast: cuBLASLt's FP8 GEMM takes both operands K-major,
   and with the kernel's own [K, N] layout XLA transposed it every call (H200, Llama-3-8B's
   gate_up at 256 tokens: 1,031 us against 151 us K-major and 272 us for bf16;
-  ``benchmarks/fp8_matmul.py``, RESULTS). On a GPU, a projection of at most
-  :data:`FP8_WEIGHT_ONLY_MAX_TOKENS` tokens keeps its activations in bf16 and widens the FP8
-  weight inside the GEMM's fusion instead (:func:`fp8_weight_only`): the same weight bytes
-  read, none of the per-token quantization's kernels launched (a decode step is bound by its
-  launch there; RESULTS, issue 16), and closer to the float result than W8A8.
+  ``benchmarks/fp8_matmul.py``, RESULTS).
 - :class:`Int4Weight`: 4-bit weight-only with a scale and a zero point per group of input rows
   and output column, read from AWQ and GPTQ checkpoints
   (:mod:`jaxllm.quantization.int4_checkpoint` repacks both into this one layout). It stays
@@ -33,8 +29,6 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
 """
 
 from __future__ import annotations
-
-import os
 
 import flax.linen as nn
 import flax.struct
@@ -185,32 +179,7 @@ def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
     return int4_kernel(x, kernel, backend, mesh) is not None
 
 
-# Token counts up to this keep bf16 activations against the FP8 weight on a GPU (see the
-# module's docstring). NOTE: chosen from the offline run's profile (RESULTS, issue 16: the
-# 8-row decode steps' host launch of ~770 kernels outlasted their 3.65 ms of device work);
-# JAXLLM_FP8_WEIGHT_ONLY_MAX_TOKENS overrides it (0: W8A8 at every size).
-FP8_WEIGHT_ONLY_MAX_TOKENS = 64
-FP8_WEIGHT_ONLY_ENV = "JAXLLM_FP8_WEIGHT_ONLY_MAX_TOKENS"
-
-
-def fp8_weight_only(x: jax.Array, environ=os.environ) -> bool:
-    """Static: does :func:`linear` multiply these activations [.., K] by an FP8 weight without
-    quantizing them (a GPU, at most :data:`FP8_WEIGHT_ONLY_MAX_TOKENS` tokens)?"""
-    limit = environ.get(FP8_WEIGHT_ONLY_ENV, "").strip()
-    if limit and not limit.isdigit():
-        raise ValueError(f"{FP8_WEIGHT_ONLY_ENV}={limit!r} must be a token count")
-    limit = int(limit) if limit else FP8_WEIGHT_ONLY_MAX_TOKENS
-    return jax.default_backend() == "gpu" and x.size // x.shape[-1] <= limit
-
-
-def fp8_linear(x: jax.Array, kernel: Fp8Weight, weight_only: bool) -> jax.Array:
-    """``x @ W`` for an FP8 weight: W8A8 (per-token FP8 activations, an FP8 x FP8 GEMM), or
-    with ``weight_only`` the weight widened to x's dtype inside the GEMM."""
-    if weight_only:
-        qt = _weight_after(x, kernel.qt).astype(x.dtype)
-        y = jax.lax.dot_general(x, qt, (((x.ndim - 1,), (qt.ndim - 1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [.., N]
-        return (y * kernel.scale).astype(x.dtype)
+def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
     x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]  # [.., 1]: one scale per token
     xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     y = jax.lax.dot_general(xq, kernel.qt, (((xq.ndim - 1,), (kernel.qt.ndim - 1,)), ((), ())),
@@ -236,7 +205,7 @@ def linear(x: jax.Array, kernel, *, int4_backend: str = "auto",
     "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
     (:func:`int4_kernel`)."""
     if isinstance(kernel, Fp8Weight):
-        return fp8_linear(x, kernel, fp8_weight_only(x))
+        return _fp8_linear(x, kernel)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
         impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(
