@@ -27,7 +27,8 @@
 #   BUDGET=1300; or ONLY17="t1 s1" etc.: those steps; "w5" (not in all): issue 16's warm
 #   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm;
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
-#   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces)
+#   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
+#   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -130,6 +131,16 @@ only17() {
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),
+    # t1a (AWQ int4, dummy, group 128); l16: their decode steps at batch 1 / 64 / 256
+    picked t1k && step t1k_sharegpt_fp8_kv 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
+      --kv-cache-dtype fp8 --output-json "$DIR/t1k_sharegpt_fp8_kv.json"
+    picked t1a && step t1a_sharegpt_awq 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
+      --quantization awq --output-json "$DIR/t1a_sharegpt_awq.json"
+    local lat="${LATENCY//$'\n'/ }"
+    picked l16 && step l16_latency_quant 60 300 bash -c "$PY $lat --output-json $DIR/l16_bf16.json; \
+      $PY $lat -q fp8 --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 \
+      --output-json $DIR/l16_fp8_kv.json; $PY $lat -q awq --output-json $DIR/l16_awq.json"
     # FP8's small decode steps, waited and back to back, under XLA's default and SKIP_TEMP
     # command buffers; bf16 beside
     local small="${LATENCY//$'\n'/ }"; small="${small/1,64,256/1,8,64}"

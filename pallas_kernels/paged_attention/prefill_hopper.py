@@ -29,8 +29,7 @@ chunks over 0 / 2k / 8k cached tokens: 73.6 / 189.1 / 561.2 us = 467 / 545 / 551
 68-80% of the matmul rate measured beside it; a step is bound by each warpgroup's softmax
 (the profile's scopes: ~1,550 cycles a step against ~1,300 for its two products).
 Pages and page tails past a sequence's length must hold finite values (whole pages are read;
-masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zero-initialized and only
-hold written K/V.
+masked keys have p = 0, but 0 x NaN is NaN): the engine's pools are zeroed, then written K/V.
 """
 
 from __future__ import annotations
