@@ -126,6 +126,7 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
+    from jaxllm.quantization.compile_options import forward_compiler_options
     from jaxllm.sampling import build_sampling_metadata, sample
 
     cfg = model.config
@@ -150,7 +151,11 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
         return sample(logits, greedy_rows, all_greedy=True, use_top_k_top_p=False).sampled, \
             kv_pool
 
-    step = jax.jit(step, donate_argnums=(1,)).lower(model.params, pool, batch).compile()
+    # The engine's compile options for the model's quantization (FP8: XLA's GEMM autotuning at
+    # the engine's level; RESULTS.md, 2026-12-04: without them the FP8 step here was not the
+    # engine's).
+    step = jax.jit(step, donate_argnums=(1,)).lower(model.params, pool, batch).compile(
+        compiler_options=forward_compiler_options(model.quantization))
     return step, pool, batch
 
 

@@ -67,6 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from jaxllm.generate import generate
     from jaxllm.loading import load_model
+    from jaxllm.quantization.compile_options import forward_compiler_options
 
     _check_sampling_args(args)
     start = time.perf_counter()
@@ -102,7 +103,8 @@ def _generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, seed=args.seed,
         eos_token_ids=() if args.ignore_eos else model.config.eos_token_ids,
         block_size=args.block_size, pad_token_id=tokenizer.pad_token_id or 0, mesh=model.mesh)
-    compiled = jax.jit(call).lower(*call_args).compile()
+    compiled = jax.jit(call).lower(*call_args).compile(
+        compiler_options=forward_compiler_options(model.quantization))
     compiled_at = time.perf_counter()
     out = compiled(*call_args)
     n = int(out.num_tokens[0])
