@@ -19,12 +19,30 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import numpy as np
+from jaxllm.benchmarks.provenance import source_commit, write_json
 
 FP8_MAX = 448.0
+
+
+def back_to_back_us(step, args: tuple, iters: int) -> float:
+    """Microseconds a call of ``step(*args)``: the median of 3 rounds of ``iters`` calls
+    launched back to back with one wait a round (as the engine's steps launch: a small
+    kernel's time, not its launch and wait), after 3 waited warm-up calls."""
+    import jax
+
+    for _ in range(3):
+        jax.block_until_ready(step(*args))
+    rounds = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(iters):
+            y = step(*args)
+        jax.block_until_ready(y)
+        rounds.append((time.perf_counter() - t) / iters)
+    return 1e6 * float(np.median(rounds))
 
 
 def _variants():
@@ -90,18 +108,7 @@ def run(args) -> dict:
             step = jax.jit(fn).lower(x, operand, w_scale).compile(
                 compiler_options={} if name == "bf16" else options)  # as the engine compiles
             hlo = step.as_text()
-            for _ in range(3):
-                step(x, operand, w_scale).block_until_ready()
-            # Back to back, one wait per round (as the engine's steps launch): a small
-            # kernel's time, not its launch and wait.
-            rounds = []
-            for _ in range(3):
-                t = time.perf_counter()
-                for _ in range(args.iters):
-                    y = step(x, operand, w_scale)
-                y.block_until_ready()
-                rounds.append((time.perf_counter() - t) / args.iters)
-            us = 1e6 * float(np.median(rounds))
+            us = back_to_back_us(step, (x, operand, w_scale), args.iters)
             base = base or us
             row = {"tokens": tokens, "variant": name, "us": us,
                    "tflops": 2 * tokens * k * n / (us * 1e-6) / 1e12,
@@ -112,11 +119,10 @@ def run(args) -> dict:
             print(f"{tokens:>6}  {name:<28}{us:>10.1f}{row['tflops']:>9.1f}"
                   f"{row['weight_tbps']:>12.2f}{row['speedup_vs_bf16']:>8.2f}x  "
                   f"{row['cublaslt_fp8']}", flush=True)
-    result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "k": k, "n": n,
+    result = {"commit": source_commit(), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "k": k, "n": n,
               "rows": rows}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(result, args.output_json)
     return result
 
 

@@ -29,7 +29,8 @@
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
 #   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
-#   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16
+#   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
+#   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 (fp8_mlp)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -130,6 +131,8 @@ only17() {
       --tokens 1,8,16,32,64,128,256 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
       && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,8,16,32,64,128,256 --variants N,K \
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
+    picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
+      --output-json "$DIR/m8_fp8_mlp.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
     # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),
@@ -176,7 +179,7 @@ summary() {
   $PY -m jaxllm.benchmarks.chain_summary "$DIR" 2>/dev/null
   grep -h "pass 1\|traced" "$DIR"/p1*.log 2>/dev/null | cut -c1-250
   grep -h "pass 1\|traced" "$DIR"/p2*.log "$DIR"/p3*.log 2>/dev/null | cut -c1-250
-  grep -h "x  \|variant" "$DIR"/f8*.log 2>/dev/null | cut -c1-120
+  grep -h "x  \|variant\|block" "$DIR"/f8*.log "$DIR"/m8*.log 2>/dev/null | cut -c1-120
   grep -h "^decode\|^mixed" "$DIR"/t1f*.log 2>/dev/null | cut -c1-200
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }

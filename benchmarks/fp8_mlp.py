@@ -1,0 +1,118 @@
+"""``python -m jaxllm.benchmarks.fp8_mlp``: the FP8 W8A8 MLP block (gate_up, SwiGLU, the
+down projection's per-token quantization, down) as the engine runs it, against bf16 and
+against the same block with the FP8 GEMMs' output in bf16 instead of float32.
+
+Why: in the offline run's 8,192-token steps the FP8 GEMMs run at ~1.4 PFLOP/s, but the
+activation quantization takes 13% of the step (RESULTS.md, 2026-12-04: the absmax over
+SwiGLU's product and the conversion each read gate_up's float32 output again). A bf16 output
+halves those reads if cuBLASLt's bf16-output FP8 GEMM is as fast; this times the whole block
+to say whether it is (Llama-3-8B's MLP by default), compiled as the engine compiles, and
+prints each block's output's distance from bf16's (what the bf16 output costs in accuracy).
+
+    python -m jaxllm.benchmarks.fp8_mlp --tokens 256,2048,8192 --output-json fp8_mlp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+from jaxllm.benchmarks.fp8_matmul import back_to_back_us
+from jaxllm.benchmarks.provenance import source_commit, write_json
+
+
+def _blocks():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.layers.linear import FP8_DTYPE, FP8_MAX, linear
+
+    def swiglu(gate_up):  # [T, 2F] of interleaved (gate_i, up_i) pairs -> [T, F]
+        pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+        return nn.silu(pairs[..., 0]) * pairs[..., 1]
+
+    def engine(x, gate_up, down):  # jaxllm.layers.linear, as the model calls it
+        return linear(swiglu(linear(x, gate_up)), down)
+
+    def fp8_bf16_out(x, weight):  # linear()'s FP8 path with the GEMM writing x's dtype
+        absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        x_scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+        xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+        y = jax.lax.dot_general(xq, weight.qt, (((1,), (1,)), ((), ())),
+                                preferred_element_type=x.dtype)
+        return (y.astype(jnp.float32) * x_scale * weight.scale).astype(x.dtype)
+
+    def bf16_out(x, gate_up, down):
+        return fp8_bf16_out(swiglu(fp8_bf16_out(x, gate_up)), down)
+
+    # bf16 runs the engine's block over the float kernels
+    return {"bf16": engine, "fp8 (engine)": engine, "fp8 GEMMs out bf16": bf16_out}
+
+
+def run(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.layers.linear import quantize_fp8
+    from jaxllm.quantization import compile_options as co
+    from jaxllm.quantization.config import QuantizationConfig
+
+    h, f = args.hidden, args.intermediate
+    rng = np.random.default_rng(0)
+    bf16 = {"gate_up": jnp.asarray(rng.standard_normal((h, 2 * f), np.float32) * 0.02,
+                                   jnp.bfloat16),
+            "down": jnp.asarray(rng.standard_normal((f, h), np.float32) * 0.02, jnp.bfloat16)}
+    fp8 = {name: quantize_fp8(w) for name, w in bf16.items()}
+    options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
+        if jax.default_backend() == "gpu" else {}
+    blocks = _blocks()
+    rows = []
+    print(f"{'tokens':>6}  {'block':<22}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}"
+          f"{'rel. error':>12}  fusions", flush=True)
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        x = jnp.asarray(rng.standard_normal((tokens, h), np.float32), jnp.bfloat16)
+        base = reference = None
+        for name, block in blocks.items():
+            weights = bf16 if name == "bf16" else fp8
+            call = (x, weights["gate_up"], weights["down"])
+            step = jax.jit(block).lower(*call).compile(
+                compiler_options={} if name == "bf16" else options)
+            y = np.asarray(step(*call), np.float32)
+            reference = y if reference is None else reference
+            us = back_to_back_us(step, call, args.iters)
+            base = base or us
+            row = {"tokens": tokens, "block": name, "us": us,
+                   "tflops": 2 * tokens * 3 * h * f / (us * 1e-6) / 1e12,
+                   "speedup_vs_bf16": base / us,
+                   # Frobenius norm of the difference from bf16's output, relative to it
+                   "relative_error": float(np.linalg.norm(y - reference)
+                                           / np.linalg.norm(reference)),
+                   "fusions": step.as_text().count(" fusion(")}
+            rows.append(row)
+            print(f"{tokens:>6}  {name:<22}{us:>10.1f}{row['tflops']:>9.1f}"
+                  f"{row['speedup_vs_bf16']:>8.2f}x{row['relative_error']:>12.2e}  "
+                  f"{row['fusions']}", flush=True)
+    result = {"commit": source_commit(), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "hidden": h,
+              "intermediate": f, "rows": rows}
+    write_json(result, args.output_json)
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="256,2048,8192")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--intermediate", type=int, default=14336)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--output-json", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
