@@ -12,6 +12,7 @@ those programs from the cache (~0.3 s a shape instead of ~2 s on 2 cores).
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import sys
@@ -125,3 +126,24 @@ def assert_engine_idle(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_gpu_blocks - 1
     assert bm.num_free_cpu_blocks == bm.num_cpu_blocks
+
+
+# The tiny Llama of the benchmark-command tests (test_bench_commands.py, test_bench_tools.py):
+# a config.json that --load-format dummy fills with random weights.
+TINY_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(TINY_HF_CONFIG))
+    return str(path)
+
+
+def tiny_bench_args(config: str) -> list[str]:
+    return ["--model", config, "--load-format", "dummy", "--dtype", "float32", "--no-progress"]

@@ -8,7 +8,6 @@ need it say so when they skip."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import socket
@@ -17,16 +16,11 @@ import sys
 import time
 
 import pytest
+from conftest import TINY_HF_CONFIG, tiny_bench_args
 from jaxllm.benchmarks.__main__ import main as bench_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 REF_PYTHON = os.environ.get("JAXLLM_REF_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
-TINY_HF_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
 
 
 def _ref_python() -> str:
@@ -42,17 +36,6 @@ def _ref_python() -> str:
     return REF_PYTHON
 
 
-@pytest.fixture(scope="module")
-def tiny_config(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("tiny") / "config.json"
-    path.write_text(json.dumps(TINY_HF_CONFIG))
-    return str(path)
-
-
-def _tiny_args(config: str) -> list[str]:
-    return ["--model", config, "--load-format", "dummy", "--dtype", "float32", "--no-progress"]
-
-
 @pytest.mark.parametrize("backend, layers", [("jaxllm", []), ("jax-static", []),
                                              ("jax-static", ["--unroll-layers",
                                                              "--jax-static-batch-size", "3"])])
@@ -65,7 +48,7 @@ def test_throughput_single_backend_in_process(tiny_config, tmp_path, backend, la
 
     monkeypatch.setattr(jax_backends, "device_bytes_in_use", lambda: 1000)
     out = tmp_path / "tp.json"
-    rc = bench_main(["throughput", "--backend", backend, *_tiny_args(tiny_config),
+    rc = bench_main(["throughput", "--backend", backend, *tiny_bench_args(tiny_config),
                      "--dataset-name", "random", "--num-prompts", "6", "--input-len", "20",
                      "--output-len", "8", "--range-ratio", "0.5", "--max-num-seqs", "4",
                      "--max-num-batched-tokens", "64", "--max-model-len", "256",
@@ -116,7 +99,7 @@ def test_throughput_counts_what_the_backend_produced(tiny_config, tmp_path, back
         monkeypatch.setattr(jaxllm, "generate", lambda *a, **kw: (o := real(*a, **kw))._replace(
             num_tokens=o.num_tokens.at[0].add(-1)))
     out = tmp_path / "short.json"
-    rc = bench_main(["throughput", "--backend", backend, *_tiny_args(tiny_config),
+    rc = bench_main(["throughput", "--backend", backend, *tiny_bench_args(tiny_config),
                      "--dataset-name", "random", "--num-prompts", "3", "--input-len", "12",
                      "--output-len", "6", "--max-num-seqs", "4", "--max-num-batched-tokens",
                      "64", "--max-model-len", "128", "--enforce-eager", "--output-json",
@@ -136,7 +119,7 @@ def test_throughput_side_by_side_with_hf(tiny_config, tmp_path):
     backends = "jaxllm,hf"
     out = tmp_path / "side.json"
     cmd = [sys.executable, "-m", "jaxllm.benchmarks", "throughput", "--backend", backends,
-           *_tiny_args(tiny_config), "--hf-python", ref, "--dataset-name", "random",
+           *tiny_bench_args(tiny_config), "--hf-python", ref, "--dataset-name", "random",
            "--num-prompts", "6", "--input-len", "20", "--output-len", "8", "--range-ratio",
            "0.5", "--max-num-seqs", "4", "--max-model-len", "256",
            "--max-num-batched-tokens", "64", "--enforce-eager", "--output-json", str(out),
@@ -408,7 +391,7 @@ def test_hf_tuned_sorts_prompts_by_length_before_batching(tmp_path):
 
 def test_throughput_fails_loudly_when_hf_produced_other_counts(tiny_config, tmp_path, capsys):
     out = tmp_path / "hf.json"
-    rc = bench_main(["throughput", "--backend", "hf", *_tiny_args(tiny_config), "--hf-python",
+    rc = bench_main(["throughput", "--backend", "hf", *tiny_bench_args(tiny_config), "--hf-python",
                      _fake_hf_python(tmp_path, short=2), "--dataset-name", "random",
                      "--num-prompts", "4", "--input-len", "8", "--output-len", "5",
                      "--output-json", str(out)])
@@ -418,182 +401,11 @@ def test_throughput_fails_loudly_when_hf_produced_other_counts(tiny_config, tmp_
     assert r["output_tokens_per_second"] == pytest.approx(18 / r["elapsed_time"])
 
 
-def test_results_name_the_source_they_ran(monkeypatch):
-    from jaxllm.benchmarks.provenance import source_commit
-
-    monkeypatch.delenv("JAXLLM_COMMIT", raising=False)
-    described = source_commit()  # a git checkout: a commit id, "-dirty" if the tree differs
-    head = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                          text=True, cwd=ROOT).stdout.strip()
-    assert head in described
-    monkeypatch.setenv("JAXLLM_COMMIT", "abc1234")  # a copied tree whose .git lags behind
-    assert source_commit() == "abc1234"
-
-
-def test_mixed_step_benchmark_smoke(tmp_path):
-    """benchmarks/mixed_step.py end to end in the Pallas interpreter at tiny sizes."""
-    from jaxllm.benchmarks.mixed_step import main as mixed_step_main
-
-    out = tmp_path / "mixed.json"
-    assert mixed_step_main(["--smoke", "--heads", "small_gqa", "--decodes", "5",
-                            "--max-context", "60", "--chunks", "20@0,4@30",
-                            "--padded-tokens", "40", "--layers", "2", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert r["real_tokens"] == 29 and r["max_abs_diff_mixed_vs_prefill"] < 1e-2
-    assert set(r["step_ms"]) == {"prefill_kernel", "mixed"} and r["mixed_speedup"] > 0
-
-
-@pytest.mark.parametrize("layers", ["--no-unroll-layers", "--unroll-layers"])
-def test_generate_step_benchmark_smoke(tiny_config, tmp_path, layers):
-    """benchmarks/generate_step.py end to end on the tiny model: one row per capacity, the
-    contiguous cache sized from the capacity, and a capacity too small for the run refused."""
-    from jaxllm.benchmarks.generate_step import main as generate_step_main
-
-    out = tmp_path / "gen.json"
-    assert generate_step_main(["--model", tiny_config, "--dtype", "float32", "--batch-size", "2",
-                               "--prompt-len", "8", "--capacities", "16,64", "--short", "2",
-                               "--decode-steps", "4", layers, "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert [row["capacity"] for row in r["rows"]] == [16, 64]
-    assert r["unrolled"] == (layers == "--unroll-layers")
-    # 2 rows x ceil((8 + C) / 16) blocks of 16 tokens, 2 layers x K and V x 2 heads x 16 x 4 B
-    assert [row["contiguous_cache_bytes"] for row in r["rows"]] == [
-        2 * n * 16 * 2 * 2 * 2 * 16 * 4 for n in (2, 5)]
-    # Timings at this size are noise (a difference of two runs can go negative): only present.
-    assert all(math.isfinite(row["decode_ms"] + row["prefill_ms"]) for row in r["rows"])
-    with pytest.raises(SystemExit):
-        generate_step_main(["--model", tiny_config, "--capacities", "4", "--short", "2",
-                            "--decode-steps", "4"])
-
-
 @pytest.mark.parametrize("flag, value", [("--jax-static-batch-size", "0"),
                                          ("--jax-static-batch-size", "-2"),
                                          ("--hf-max-batch-size", "0")])
 def test_throughput_refuses_a_static_batch_below_one(tiny_config, flag, value, capsys):
     with pytest.raises(SystemExit):
-        bench_main(["throughput", *_tiny_args(tiny_config), "--backend", "jax-static",
+        bench_main(["throughput", *tiny_bench_args(tiny_config), "--backend", "jax-static",
                     "--num-prompts", "4", flag, value])
     assert f"argument {flag}: {value} must be >= 1" in capsys.readouterr().err
-
-
-def test_step_profile_reads_the_shape_of_the_launched_step():
-    """``bench step_profile`` records each traced step's shape from the engine's launched
-    step, whether its sampler is launched or (constrained rows) still waits for a bitmask."""
-    import types
-
-    from jaxllm.benchmarks.step_profile import _step_info
-
-    from jaxllm.engine.buckets import StepShape
-    from jaxllm.engine.llm_engine import _LaunchedStep
-    from jaxllm.engine.step_handles import LaunchedForward, PendingStep
-
-    out = types.SimpleNamespace(num_batched_tokens=37)
-    shape = StepShape(num_tokens=64, num_seqs=8, table_width=4, is_decode=False)
-    full = _LaunchedStep(out, [], [], pending=PendingStep(None, None, shape))
-    waiting = _LaunchedStep(out, [], [0], forward=LaunchedForward(None, shape))
-    expected = {"real_tokens": 37, "bucket_tokens": 64, "rows": 8, "decode": False}
-    for step in (full, waiting):
-        assert _step_info(types.SimpleNamespace(_inflight=step)) == expected
-    assert _step_info(types.SimpleNamespace(_inflight=None)) is None
-
-
-def test_prefill_anatomy_splits_a_kernel_profile_by_role_and_scope(tmp_path):
-    """``prefill_anatomy`` reads Mosaic GPU's on-device profile (a Chrome trace: a trace per
-    warpgroup of each program, cycles within a trace): each scope's share of its role's span,
-    its count and cycles each, and the programs' start spread."""
-    from jaxllm.benchmarks.prefill_anatomy import summarize_kernel_profile
-
-    def scope(name, tid, begin, end):  # ts in kilo-cycles past the program's start (us)
-        return [{"name": name, "ph": "B", "ts": begin, "pid": 1, "tid": tid},
-                {"name": name, "ph": "E", "ts": end, "pid": 1, "tid": tid}]
-
-    events = []
-    for program, start in ((0, 100.0), (1, 103.0)):  # 3 warpgroups a program: tid 1 + 3p + wg
-        for wg in (0, 1):
-            events += scope("softmax", 1 + 3 * program + wg, start, start + 1.5)
-            events += scope("pv", 1 + 3 * program + wg, start + 1.5, start + 2.0)
-        events += scope("tables", 3 + 3 * program, start, start + 0.5)
-        events += scope("v_released", 3 + 3 * program, start + 0.5, start + 2.0)
-    path = tmp_path / "trace.json"
-    path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
-    r = summarize_kernel_profile(str(path))
-    assert r["programs"] == 2
-    compute, memory = r["compute"], r["memory"]
-    assert compute["mean_span_cycles"] == pytest.approx(2000)
-    assert compute["scopes"]["softmax"]["share"] == pytest.approx(0.75)
-    assert compute["scopes"]["pv"] == pytest.approx({"share": 0.25, "mean_count": 1,
-                                                     "mean_cycles_each": 500})
-    assert memory["scopes"]["v_released"]["share"] == pytest.approx(0.75)
-    assert set(memory["scopes"]) == {"tables", "v_released"}
-    assert r["program_start_us"] == pytest.approx({"min": 0.0, "p50": 1.5, "max": 3.0})
-
-
-def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_path):
-    """``bench latency`` end to end on the tiny model with an FP8 pool: each batch size has a
-    waited and a back-to-back step, and the roofline counts one byte per KV element."""
-    from jaxllm.benchmarks.latency import kv_bytes_per_token, roofline_s
-
-    out = tmp_path / "lat.json"
-    assert bench_main(["latency", *_tiny_args(tiny_config), "--batch-sizes", "1,4",
-                       "--context-len", "32", "--iters", "3", "--warmup-iters", "1",
-                       "--kv-cache-dtype", "fp8", "--bandwidth-gbps", "100",
-                       "--output-json", str(out)]) in (0, None)
-    r = json.loads(out.read_text())
-    assert [row["batch_size"] for row in r["rows"]] == [1, 4]
-    for row in r["rows"]:
-        assert row["back_to_back_step_ms"] > 0 and row["step_ms"] > 0
-        assert row["back_to_back_pct_of_roofline"] == pytest.approx(
-            100 * row["roofline_ms"] / row["back_to_back_step_ms"])
-    cfg = type("C", (), {k: TINY_HF_CONFIG[k] for k in (
-        "num_hidden_layers", "num_key_value_heads", "head_dim")})
-    assert r["rows"][1]["roofline_ms"] == pytest.approx(
-        1e3 * roofline_s(r["weight_bytes"], cfg, 1, 4, 32, 100))
-    assert kv_bytes_per_token(cfg, 1) * 2 == kv_bytes_per_token(cfg, 2)
-
-
-def test_write_checkpoint_round_trips_through_the_safetensors_loader(tiny_config, tmp_path):
-    """benchmarks/write_checkpoint.py: a sharded HF checkpoint of a config's shape that
-    load_model reads back with the same config and the written tensors."""
-    import numpy as np
-    from jaxllm.benchmarks.write_checkpoint import main as write_main
-    from safetensors.numpy import load_file
-
-    import jaxllm
-    from jaxllm.model_config import ModelConfig
-
-    out = tmp_path / "ckpt"
-    assert write_main([tiny_config, str(out), "--shard-gib", str(40_000 / 2**30)]) == 0
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 1 and all((out / f).exists() for f in files)
-    source = ModelConfig.from_hf_config(TINY_HF_CONFIG)
-    model = jaxllm.load_model(str(out), dtype="bfloat16")
-    assert model.config == source.replace(checkpoint_dtype="bfloat16")
-    embed = load_file(out / index["weight_map"]["model.embed_tokens.weight"])[
-        "model.embed_tokens.weight"]
-    assert embed.astype(np.float32).std() > 0.01
-    assert (np.asarray(model.params["embed_tokens"]["embedding"], np.float32)
-            == embed.astype(np.float32)).all()
-
-
-def test_kernel_sass_captures_triton_ir_and_finds_mma_loops():
-    """benchmarks/kernel_sass.py without Triton's compiler: the decode kernel's Triton IR for
-    sm_90 (FP8 pages) is captured from JAX's lowering, and the SASS parser finds a loop with
-    MMA instructions by its backward branch (and ignores one without, unless asked for every
-    loop)."""
-    from jaxllm.benchmarks.kernel_sass import capture_ttir, loops
-
-    ttir, warps, stages = capture_ttir("decode", "float8_e4m3fn", tokens=4, context=40)
-    assert "tt.func" in ttir and "f8E4M3FN" in ttir and (warps, stages) == (4, 3)
-    sass = "\n".join([
-        "        /*0010*/                   MOV R1, c[0x0][0x28] ;",
-        "        /*0020*/                   LDS.U8 R2, [R3] ;",
-        "        /*0030*/                   HMMA.16816.F32 R4, R8, R12, R4 ;",
-        "        /*0040*/              @P0 BRA 0x20 ;",
-        "        /*0050*/                   FADD R5, R5, R6 ;",
-        "        /*0060*/                   BRA 0x50 ;"])
-    mma = {"start": "0x20", "instructions": 3,
-           "opcodes": {"LDS.U8": 1, "HMMA.16816.F32": 1, "BRA": 1}}
-    assert loops(sass) == [mma]
-    assert loops(sass, mma_only=False) == [
-        mma, {"start": "0x50", "instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]
