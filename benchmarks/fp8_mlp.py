@@ -1,13 +1,15 @@
 """``python -m jaxllm.benchmarks.fp8_mlp``: the FP8 W8A8 MLP block (gate_up, SwiGLU, the
-down projection's per-token quantization, down) as the engine runs it, against bf16 and
-against the same block with the FP8 GEMMs' output in bf16 instead of float32.
+down projection's per-token quantization, down) as the engine runs it, against bf16, against
+the same block with the FP8 GEMMs' output in bf16 instead of float32, and with SwiGLU and the
+quantization in one pass (``pallas_kernels/activation_quant``, over gate_up's float32 or bf16
+product; in Pallas' interpreter off the GPU).
 
 Why: in the offline run's 8,192-token steps the FP8 GEMMs run at ~1.4 PFLOP/s, but the
 activation quantization takes 13% of the step (RESULTS.md, 2026-12-04: the absmax over
 SwiGLU's product and the conversion each read gate_up's float32 output again). A bf16 output
-halves those reads if cuBLASLt's bf16-output FP8 GEMM is as fast; this times the whole block
-to say whether it is (Llama-3-8B's MLP by default), compiled as the engine compiles, and
-prints each block's output's distance from bf16's (what the bf16 output costs in accuracy).
+halves those reads if cuBLASLt's bf16-output FP8 GEMM is as fast; the one-pass kernel reads
+the product once. This times each whole block (Llama-3-8B's MLP by default), compiled as the
+engine compiles, and prints its output's distance from bf16's (what each costs in accuracy).
 
     python -m jaxllm.benchmarks.fp8_mlp --tokens 256,2048,8192 --output-json fp8_mlp.json
 """
@@ -21,12 +23,13 @@ from jaxllm.benchmarks.fp8_matmul import back_to_back_us
 from jaxllm.benchmarks.provenance import source_commit, write_json
 
 
-def _blocks():
+def _blocks(interpret: bool):
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
+    from jaxllm.pallas_kernels.activation_quant import swiglu_quantize_fp8
 
-    from jaxllm.layers.linear import FP8_DTYPE, FP8_MAX, linear
+    from jaxllm.layers.linear import linear, quantize_tokens_fp8
 
     def swiglu(gate_up):  # [T, 2F] of interleaved (gate_i, up_i) pairs -> [T, F]
         pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
@@ -35,19 +38,31 @@ def _blocks():
     def engine(x, gate_up, down):  # jaxllm.layers.linear, as the model calls it
         return linear(swiglu(linear(x, gate_up)), down)
 
-    def fp8_bf16_out(x, weight):  # linear()'s FP8 path with the GEMM writing x's dtype
-        absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-        x_scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-        xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    def fp8_gemm(xq, x_scale, weight, out_dtype):  # the FP8 GEMM, scales after it
         y = jax.lax.dot_general(xq, weight.qt, (((1,), (1,)), ((), ())),
-                                preferred_element_type=x.dtype)
-        return (y.astype(jnp.float32) * x_scale * weight.scale).astype(x.dtype)
+                                preferred_element_type=out_dtype)
+        return y, x_scale, weight.scale
 
-    def bf16_out(x, gate_up, down):
-        return fp8_bf16_out(swiglu(fp8_bf16_out(x, gate_up)), down)
+    def bf16_out(x, gate_up, down):  # linear()'s FP8 path with the GEMMs writing x's dtype
+        def project(v, weight):
+            y, x_scale, w_scale = fp8_gemm(*quantize_tokens_fp8(v), weight, v.dtype)
+            return (y.astype(jnp.float32) * x_scale * w_scale).astype(v.dtype)
+        return project(swiglu(project(x, gate_up)), down)
+
+    def fused(product_dtype):  # gate_up's product -> the one-pass kernel -> down
+        def block(x, gate_up, down):
+            product, x_scale, w_scale = fp8_gemm(*quantize_tokens_fp8(x), gate_up,
+                                                 product_dtype)
+            hq, h_scale = swiglu_quantize_fp8(product, x_scale, w_scale, x.dtype,
+                                              interpret=interpret)
+            y, _, w_down = fp8_gemm(hq, h_scale, down, jnp.float32)
+            return (y * h_scale * w_down).astype(x.dtype)
+        return block
 
     # bf16 runs the engine's block over the float kernels
-    return {"bf16": engine, "fp8 (engine)": engine, "fp8 GEMMs out bf16": bf16_out}
+    return {"bf16": engine, "fp8 (engine)": engine, "fp8 GEMMs out bf16": bf16_out,
+            "fp8 fused, product f32": fused(jnp.float32),
+            "fp8 fused, product bf16": fused(jnp.bfloat16)}
 
 
 def run(args) -> dict:
@@ -66,7 +81,7 @@ def run(args) -> dict:
     fp8 = {name: quantize_fp8(w) for name, w in bf16.items()}
     options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
         if jax.default_backend() == "gpu" else {}
-    blocks = _blocks()
+    blocks = _blocks(interpret=jax.default_backend() != "gpu")
     rows = []
     print(f"{'tokens':>6}  {'block':<22}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}"
           f"{'rel. error':>12}  fusions", flush=True)

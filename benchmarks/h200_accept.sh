@@ -30,7 +30,8 @@
 #   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
-#   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 (fp8_mlp)
+#   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
+#   one-pass SwiGLU + quantization kernel (fp8_mlp)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served

@@ -179,9 +179,15 @@ def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
     return int4_kernel(x, kernel, backend, mesh) is not None
 
 
+def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each token's activations [.., K] in ``float8_e4m3fn`` with their own scale (absmax /
+    448): ``(xq [.., K], x_scale f32 [.., 1])``, x ~= xq x_scale."""
+    x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]
+    return jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), x_scale
+
+
 def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
-    x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]  # [.., 1]: one scale per token
-    xq = jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    xq, x_scale = quantize_tokens_fp8(x)
     y = jax.lax.dot_general(xq, kernel.qt, (((xq.ndim - 1,), (kernel.qt.ndim - 1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [.., N]
     return (y * x_scale * kernel.scale).astype(x.dtype)

@@ -1,0 +1,29 @@
+"""The reference of :func:`~.swiglu_fp8.swiglu_quantize_fp8`: the FP8 MLP's steps between its
+two GEMMs as the model runs them in XLA (``jaxllm.layers.linear`` and ``models.llama.MLP``)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+
+
+def swiglu_quantize_fp8_reference(
+    product: jax.Array,  # [T, 2F] the gate_up FP8 GEMM's unscaled product (gate_i, up_i pairs)
+    x_scale: jax.Array,  # f32 [T, 1]: gate_up's per-token activation scales
+    w_scale: jax.Array,  # f32 [2F]: gate_up's per-channel weight scales
+    dtype,  # the model's activation dtype
+    interpret: bool = False,  # the kernel's signature; unused
+) -> tuple[jax.Array, jax.Array]:  # (float8_e4m3fn [T, F], f32 [T, 1])
+    """gate_up's output ``(product x_scale w_scale)`` in ``dtype``, SwiGLU's ``silu(gate) up``
+    in ``dtype``, then the down projection's input quantized per token (absmax / 448)."""
+    del interpret
+    y = (product.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
+    pairs = y.reshape(*y.shape[:-1], -1, 2)
+    h = (nn.silu(pairs[..., 0]) * pairs[..., 1]).astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
