@@ -24,8 +24,6 @@ import time
 import numpy as np
 from jaxllm.benchmarks.provenance import source_commit, write_json
 
-FP8_MAX = 448.0
-
 
 def back_to_back_us(step, args: tuple, iters: int) -> float:
     """Microseconds a call of ``step(*args)``: the median of 3 rounds of ``iters`` calls
@@ -49,15 +47,10 @@ def _variants():
     import jax
     import jax.numpy as jnp
 
-    fp8 = jnp.float8_e4m3fn
-
-    def quantize_tokens(x):  # bf16 [T, K] -> (fp8 [T, K], f32 [T, 1])
-        scale = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True) / FP8_MAX
-        scale = jnp.where(scale > 0, scale, 1.0)
-        return jnp.clip(x.astype(jnp.float32) / scale, -FP8_MAX, FP8_MAX).astype(fp8), scale
+    from jaxllm.layers.linear import quantize_tokens_fp8
 
     def fp8_linear(x, wq, w_scale, *, k_major, out_dtype):
-        xq, x_scale = quantize_tokens(x)
+        xq, x_scale = quantize_tokens_fp8(x)
         dims = (((1,), (1,)), ((), ())) if k_major else (((1,), (0,)), ((), ()))
         y = jax.lax.dot_general(xq, wq, dims, preferred_element_type=out_dtype)
         return (y.astype(jnp.float32) * x_scale * w_scale).astype(x.dtype)
@@ -81,15 +74,16 @@ def run(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from jaxllm.layers.linear import quantize_fp8
     from jaxllm.quantization import compile_options as co
     from jaxllm.quantization.config import QuantizationConfig
 
     k, n = args.k, args.n
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, jnp.bfloat16)
-    w_scale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0) / FP8_MAX  # f32 [N]
-    wq_kn = (w.astype(jnp.float32) / w_scale).astype(jnp.float8_e4m3fn)
-    weights = {False: wq_kn, True: jnp.asarray(wq_kn.T)}
+    fp8_weight = quantize_fp8(w)  # the engine's load-time quantization: qt [N, K], scale [N]
+    w_scale = fp8_weight.scale
+    weights = {False: jnp.asarray(fp8_weight.qt.T), True: fp8_weight.qt}
     # The engine's FP8 compile options (XLA's default autotuner timed FP8 algorithms for
     # minutes a shape; the 2026-12-04 run of this benchmark died in it).
     options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \

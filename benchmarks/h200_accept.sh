@@ -136,19 +136,19 @@ only17() {
       --output-json "$DIR/m8_fp8_mlp.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    local lat="${LATENCY//$'\n'/ }"  # one line (a newline in bash -c ends the command)
     # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),
     # t1a (AWQ int4, dummy, group 128); l16: their decode steps at batch 1 / 64 / 256
     picked t1k && step t1k_sharegpt_fp8_kv 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --kv-cache-dtype fp8 --output-json "$DIR/t1k_sharegpt_fp8_kv.json"
     picked t1a && step t1a_sharegpt_awq 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization awq --output-json "$DIR/t1a_sharegpt_awq.json"
-    local lat="${LATENCY//$'\n'/ }"
     picked l16 && step l16_latency_quant 60 300 bash -c "$PY $lat --output-json $DIR/l16_bf16.json; \
       $PY $lat -q fp8 --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 \
       --output-json $DIR/l16_fp8_kv.json; $PY $lat -q awq --output-json $DIR/l16_awq.json"
     # FP8's small decode steps, waited and back to back, under XLA's default and SKIP_TEMP
     # command buffers; bf16 beside
-    local small="${LATENCY//$'\n'/ }"; small="${small/1,64,256/1,8,64}"
+    local small="${lat/1,64,256/1,8,64}"
     picked l8 && step l8_fp8_small 40 330 bash -c "$PY $small -q fp8 --output-json $DIR/l8_w8a8.json; \
       XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PY $small -q fp8 \
       --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"

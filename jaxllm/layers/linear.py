@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
     dequantize_int4,
@@ -48,8 +49,6 @@ from jaxllm.pallas_kernels.quantized_matmul import (
 from jaxllm.parallel.mesh import tensor_parallel_size
 
 INT8_MAX = 127
-FP8_DTYPE = jnp.float8_e4m3fn
-FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
 
 @flax.struct.dataclass
