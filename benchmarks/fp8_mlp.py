@@ -1,8 +1,9 @@
 """``python -m jaxllm.benchmarks.fp8_mlp``: the FP8 W8A8 MLP block (gate_up, SwiGLU, the
 down projection's per-token quantization, down) as the engine runs it, against bf16, against
 the same block with the FP8 GEMMs' output in bf16 instead of float32, and with SwiGLU and the
-quantization in one pass (``pallas_kernels/activation_quant``, over gate_up's float32 or bf16
-product; in Pallas' interpreter off the GPU).
+quantization in one pass (``pallas_kernels/activation_quant`` over gate_up's float32 or bf16
+product, as ``JAXLLM_FP8_SWIGLU_KERNEL=f32`` / ``bf16`` runs it in the engine; in Pallas'
+interpreter off the GPU).
 
 Why: in the offline run's 8,192-token steps the FP8 GEMMs run at ~1.4 PFLOP/s, but the
 activation quantization takes 13% of the step (RESULTS.md, 2026-12-04: the absmax over
@@ -17,52 +18,36 @@ engine compiles, and prints its output's distance from bf16's (what each costs i
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 from jaxllm.benchmarks.fp8_matmul import back_to_back_us
 from jaxllm.benchmarks.provenance import source_commit, write_json
 
 
-def _blocks(interpret: bool):
-    import flax.linen as nn
+def _blocks():
     import jax
     import jax.numpy as jnp
-    from jaxllm.pallas_kernels.activation_quant import swiglu_quantize_fp8
 
-    from jaxllm.layers.linear import linear, quantize_tokens_fp8
+    from jaxllm.layers.linear import fp8_product, quantize_tokens_fp8
+    from jaxllm.layers.mlp import swiglu_mlp
 
-    def swiglu(gate_up):  # [T, 2F] of interleaved (gate_i, up_i) pairs -> [T, F]
-        pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
-        return nn.silu(pairs[..., 0]) * pairs[..., 1]
+    def engine(product_dtype=None):  # jaxllm.layers.mlp, as the model calls it
+        return lambda x, gate_up, down: swiglu_mlp(x, gate_up, down,
+                                                   product_dtype=product_dtype)
 
-    def engine(x, gate_up, down):  # jaxllm.layers.linear, as the model calls it
-        return linear(swiglu(linear(x, gate_up)), down)
-
-    def fp8_gemm(xq, x_scale, weight, out_dtype):  # the FP8 GEMM, scales after it
-        y = jax.lax.dot_general(xq, weight.qt, (((1,), (1,)), ((), ())),
-                                preferred_element_type=out_dtype)
-        return y, x_scale, weight.scale
-
-    def bf16_out(x, gate_up, down):  # linear()'s FP8 path with the GEMMs writing x's dtype
+    def bf16_out(x, gate_up, down):  # XLA's passes with the FP8 GEMMs writing x's dtype
         def project(v, weight):
-            y, x_scale, w_scale = fp8_gemm(*quantize_tokens_fp8(v), weight, v.dtype)
-            return (y.astype(jnp.float32) * x_scale * w_scale).astype(v.dtype)
-        return project(swiglu(project(x, gate_up)), down)
-
-    def fused(product_dtype):  # gate_up's product -> the one-pass kernel -> down
-        def block(x, gate_up, down):
-            product, x_scale, w_scale = fp8_gemm(*quantize_tokens_fp8(x), gate_up,
-                                                 product_dtype)
-            hq, h_scale = swiglu_quantize_fp8(product, x_scale, w_scale, x.dtype,
-                                              interpret=interpret)
-            y, _, w_down = fp8_gemm(hq, h_scale, down, jnp.float32)
-            return (y * h_scale * w_down).astype(x.dtype)
-        return block
+            xq, x_scale = quantize_tokens_fp8(v)
+            y = fp8_product(xq, weight, v.dtype).astype(jnp.float32)
+            return (y * x_scale * weight.scale).astype(v.dtype)
+        pairs = project(x, gate_up).reshape(x.shape[0], -1, 2)
+        return project(jax.nn.silu(pairs[..., 0]) * pairs[..., 1], down)
 
     # bf16 runs the engine's block over the float kernels
-    return {"bf16": engine, "fp8 (engine)": engine, "fp8 GEMMs out bf16": bf16_out,
-            "fp8 fused, product f32": fused(jnp.float32),
-            "fp8 fused, product bf16": fused(jnp.bfloat16)}
+    return {"bf16": engine(), "fp8 (engine)": engine(), "fp8 GEMMs out bf16": bf16_out,
+            "fp8 fused, product f32": engine(jnp.float32),
+            "fp8 fused, product bf16": engine(jnp.bfloat16)}
 
 
 def run(args) -> dict:
@@ -81,7 +66,7 @@ def run(args) -> dict:
     fp8 = {name: quantize_fp8(w) for name, w in bf16.items()}
     options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
         if jax.default_backend() == "gpu" else {}
-    blocks = _blocks(interpret=jax.default_backend() != "gpu")
+    blocks = _blocks()
     rows = []
     print(f"{'tokens':>6}  {'block':<22}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}"
           f"{'rel. error':>12}  fusions", flush=True)
@@ -115,6 +100,17 @@ def run(args) -> dict:
     return result
 
 
+def kernel_setting(result: dict) -> str:
+    """The ``JAXLLM_FP8_SWIGLU_KERNEL`` value whose block was fastest at the result's largest
+    token count ("off": XLA's passes were)."""
+    largest = max(row["tokens"] for row in result["rows"])
+    settings = {"fp8 (engine)": "off", "fp8 fused, product f32": "f32",
+                "fp8 fused, product bf16": "bf16"}
+    timed = {settings[row["block"]]: row["us"] for row in result["rows"]
+             if row["tokens"] == largest and row["block"] in settings}
+    return min(timed, key=timed.get)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="256,2048,8192")
@@ -122,11 +118,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--intermediate", type=int, default=14336)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--pick-from", default=None, metavar="JSON",
+                        help="print the JAXLLM_FP8_SWIGLU_KERNEL setting this earlier run's "
+                             "output found fastest, and time nothing")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> None:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.pick_from:
+        with open(args.pick_from) as f:
+            print(kernel_setting(json.load(f)))
+        return
+    run(args)
 
 
 if __name__ == "__main__":

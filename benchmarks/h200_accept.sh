@@ -31,7 +31,8 @@
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
-#   one-pass SwiGLU + quantization kernel (fp8_mlp)
+#   one-pass SwiGLU + quantization kernel (fp8_mlp); "t1fs": t1f through that kernel
+#   (JAXLLM_FP8_SWIGLU_KERNEL, the product dtype m8 found faster): "m8 t1f t1fs" is the A/B
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -132,10 +133,25 @@ only17() {
       --tokens 1,8,16,32,64,128,256 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
       && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,8,16,32,64,128,256 --variants N,K \
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
+    # the kernel compiled and checked against XLA's passes on the GPU (the MLP and a forward)
+    picked m8 && step g8_swiglu_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
+      tests/test_swiglu_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    # t1f with SwiGLU + the down projection's quantization in one kernel (jaxllm.layers.mlp),
+    # over the product dtype m8 found fastest (f32 when m8 did not run or XLA's passes won)
+    if picked t1fs && grep -q "failed\|error" "$DIR"/g8_*.log 2>/dev/null; then
+      echo "t1fs skipped: the kernel's tests failed on the GPU (g8)" >> "$DIR/steps.txt"
+    elif picked t1fs; then
+      local swiglu
+      swiglu=$($PY -m jaxllm.benchmarks.fp8_mlp --pick-from "$DIR/m8_fp8_mlp.json" 2>/dev/null)
+      [ "$swiglu" = bf16 ] || swiglu=f32
+      step t1fs_sharegpt_fp8_swiglu_$swiglu 150 300 env JAXLLM_FP8_SWIGLU_KERNEL=$swiglu \
+        $PY $TIMELINE --dataset-name sharegpt-like --quantization fp8 \
+        --output-json "$DIR/t1fs_sharegpt_fp8_swiglu_$swiglu.json"
+    fi
     local lat="${LATENCY//$'\n'/ }"  # one line (a newline in bash -c ends the command)
     # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),
     # t1a (AWQ int4, dummy, group 128); l16: their decode steps at batch 1 / 64 / 256

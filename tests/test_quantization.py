@@ -219,3 +219,19 @@ def test_fp8_mlp_benchmark_times_the_engines_block_and_candidates_that_cost_no_a
     for candidate in ("fp8 GEMMs out bf16", "fp8 fused, product f32", "fp8 fused, product bf16"):
         assert abs(errors[candidate] - errors["fp8 (engine)"]) < 0.01, errors
     assert all(row["us"] > 0 for row in result["rows"])
+
+
+def test_fp8_mlp_picks_the_setting_fastest_at_its_largest_token_count():
+    # h200_accept's t1fs runs the offline FP8 run with the setting fp8_mlp's m8 picks
+    from jaxllm.benchmarks import fp8_mlp
+
+    def result(times):  # {(tokens, block): us}
+        return {"rows": [{"tokens": t, "block": b, "us": us} for (t, b), us in times.items()]}
+
+    times = {(256, "bf16"): 5, (256, "fp8 (engine)"): 9, (256, "fp8 fused, product f32"): 7,
+             (256, "fp8 fused, product bf16"): 8, (256, "fp8 GEMMs out bf16"): 1,
+             (8192, "bf16"): 50, (8192, "fp8 (engine)"): 40, (8192, "fp8 GEMMs out bf16"): 1,
+             (8192, "fp8 fused, product f32"): 36, (8192, "fp8 fused, product bf16"): 33}
+    assert fp8_mlp.kernel_setting(result(times)) == "bf16"
+    assert fp8_mlp.kernel_setting(result(times | {(8192, "fp8 (engine)"): 30})) == "off"
+    assert fp8_mlp.kernel_setting(result(times | {(8192, "fp8 fused, product f32"): 32})) == "f32"

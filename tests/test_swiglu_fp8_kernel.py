@@ -1,8 +1,11 @@
 """The one-pass SwiGLU + per-token FP8 quantization kernel (pallas_kernels/activation_quant)
-against its reference in Pallas' interpreter, and the reference against what the model
-computes between an FP8 MLP's two GEMMs (jaxllm.layers.linear)."""
+against its reference in Pallas' interpreter, the reference against what the model computes
+between an FP8 MLP's two GEMMs (jaxllm.layers.linear), and the model's MLP through the kernel
+(jaxllm.layers.mlp) against XLA's passes."""
 
 from __future__ import annotations
+
+import os
 
 import flax.linen as nn
 import jax
@@ -14,8 +17,13 @@ from jaxllm.pallas_kernels.activation_quant import (
     swiglu_quantize_fp8_reference,
     unsupported,
 )
+from tiny_models import prompt_logits
 
+import jaxllm
+from jaxllm.layers import mlp
 from jaxllm.layers.linear import linear, quantize_fp8, quantize_tokens_fp8
+
+TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
 
 
 def _gate_up_product(tokens: int, f: int, dtype, seed: int = 0):
@@ -71,3 +79,55 @@ def test_shapes_the_kernel_cannot_take_are_named():
     with pytest.raises(ValueError, match="must be"):
         swiglu_quantize_fp8(jnp.zeros((4, 63)), jnp.ones((4, 1)), jnp.ones(63), jnp.float32,
                             interpret=True)
+
+
+# The engine's use of the kernel (jaxllm.layers.mlp): picked by JAXLLM_FP8_SWIGLU_KERNEL.
+
+def test_the_kernel_setting_is_read_from_the_environment_and_refused_when_unknown():
+    assert mlp.fp8_swiglu_kernel_setting({}) == "off"
+    assert mlp.fp8_swiglu_kernel_setting({mlp.FP8_SWIGLU_KERNEL_ENV: " bf16 "}) == "bf16"
+    with pytest.raises(ValueError, match=r"JAXLLM_FP8_SWIGLU_KERNEL='fp16' must be one of"):
+        mlp.fp8_swiglu_kernel_setting({mlp.FP8_SWIGLU_KERNEL_ENV: "fp16"})
+
+
+def test_the_kernel_runs_only_between_two_fp8_projections_of_enough_tokens():
+    gate_up, down = (quantize_fp8(jnp.ones(shape)) for shape in ((8, 32), (16, 8)))
+    many = mlp.FP8_SWIGLU_KERNEL_MIN_TOKENS
+    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="f32") == jnp.float32
+    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="bf16") == jnp.bfloat16
+    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="off") is None
+    assert mlp.fp8_swiglu_product_dtype(many - 1, gate_up, down, setting="f32") is None
+    assert mlp.fp8_swiglu_product_dtype(many, gate_up, jnp.ones((16, 8)), setting="f32") is None
+
+
+@pytest.mark.parametrize("dtype, product_dtype", [(jnp.float32, jnp.float32),
+                                                  (jnp.bfloat16, jnp.float32),
+                                                  (jnp.bfloat16, jnp.bfloat16)])
+def test_the_mlp_through_the_kernel_matches_xlas_passes(dtype, product_dtype):
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((70, 32)), dtype)
+    gate_up = quantize_fp8(jnp.asarray(rng.standard_normal((32, 2 * 48)) * 0.3, dtype))
+    down = quantize_fp8(jnp.asarray(rng.standard_normal((48, 32)) * 0.3, dtype))
+    want = np.asarray(mlp.swiglu_mlp(x, gate_up, down), np.float32)
+    got = mlp.swiglu_mlp(x, gate_up, down, product_dtype=product_dtype)
+    assert got.dtype == dtype and got.shape == (70, 32)
+    got = np.asarray(got, np.float32)
+    if dtype == jnp.float32:  # the reference's math exactly (test above): the same FP8 inputs
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    else:  # an FP8 step on a few elements of down's input (test above), a bf16 product
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
+
+
+def test_an_fp8_model_forward_through_the_kernel_matches_xlas_passes(monkeypatch):
+    model = jaxllm.load_model(TINY_QWEN, dtype="float32", quantization="fp8")
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 100, 80)]
+    monkeypatch.setenv(mlp.FP8_SWIGLU_KERNEL_ENV, "off")
+    want = prompt_logits(model, ids)
+    monkeypatch.setenv(mlp.FP8_SWIGLU_KERNEL_ENV, "f32")
+    traced = []  # the kernel's calls as the forward is traced
+    kernel = mlp.swiglu_quantize_fp8
+    monkeypatch.setattr(mlp, "swiglu_quantize_fp8",
+                        lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    got = prompt_logits(model, ids)
+    assert traced and set(traced) == {(80, 2 * model.config.intermediate_size)}
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

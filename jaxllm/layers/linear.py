@@ -185,11 +185,18 @@ def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), x_scale
 
 
-def _fp8_linear(x: jax.Array, kernel: Fp8Weight) -> jax.Array:
-    xq, x_scale = quantize_tokens_fp8(x)
-    y = jax.lax.dot_general(xq, kernel.qt, (((xq.ndim - 1,), (kernel.qt.ndim - 1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [.., N]
-    return (y * x_scale * kernel.scale).astype(x.dtype)
+def fp8_product(xq: jax.Array, kernel: Fp8Weight, out_dtype=jnp.float32) -> jax.Array:
+    """The FP8 GEMM of quantized activations [.., K] and an FP8 weight, unscaled: [.., N] in
+    ``out_dtype`` (the GEMM accumulates in float32 whatever it writes)."""
+    return jax.lax.dot_general(xq, kernel.qt,
+                               (((xq.ndim - 1,), (kernel.qt.ndim - 1,)), ((), ())),
+                               preferred_element_type=out_dtype)
+
+
+def fp8_matmul(xq: jax.Array, x_scale: jax.Array, kernel: Fp8Weight, dtype) -> jax.Array:
+    """``x @ W`` from quantized activations (:func:`quantize_tokens_fp8`): [.., N] in
+    ``dtype``, both scales applied to the float32 product."""
+    return (fp8_product(xq, kernel) * x_scale * kernel.scale).astype(dtype)
 
 
 def _weight_after(x: jax.Array, weight):
@@ -210,7 +217,7 @@ def linear(x: jax.Array, kernel, *, int4_backend: str = "auto",
     "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
     (:func:`int4_kernel`)."""
     if isinstance(kernel, Fp8Weight):
-        return _fp8_linear(x, kernel)
+        return fp8_matmul(*quantize_tokens_fp8(x), kernel, x.dtype)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
         impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(

@@ -44,6 +44,7 @@ from jaxllm.attention import write_kv_and_attend
 from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
+from jaxllm.layers.mlp import fp8_swiglu_product_dtype, swiglu_mlp
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 from jaxllm.parallel.mesh import mesh_of, pipeline_parallel_size
@@ -94,13 +95,17 @@ class MLP(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x):
-        f = self.config.intermediate_size
-        gate_up = Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x).reshape(
-            -1, f, 2)  # [T, F, (gate, up)]
-        gate, up = gate_up[..., 0], gate_up[..., 1]
-        return Linear(self.config.hidden_size, False, self.dtype, self.mesh, name="down_proj")(
-            nn.silu(gate) * up)
+    def __call__(self, x):  # [T, H] -> [T, H]
+        f, x = self.config.intermediate_size, x.astype(self.dtype)
+        if self.is_initializing():  # the projections' params: Linear's
+            Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x)
+            Linear(self.config.hidden_size, False, self.dtype, self.mesh, name="down_proj")(
+                jnp.zeros((x.shape[0], f), self.dtype))
+        params = self.variables["params"]
+        gate_up, down = params["gate_up_proj"]["kernel"], params["down_proj"]["kernel"]
+        return swiglu_mlp(x, gate_up, down, mesh=self.mesh,
+                          product_dtype=fp8_swiglu_product_dtype(x.shape[0], gate_up, down,
+                                                                 self.mesh))
 
 
 class DecoderLayer(nn.Module):
