@@ -4,6 +4,7 @@ and prefill-anatomy benchmarks, the checkpoint writer and the SASS reader."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
@@ -185,3 +186,58 @@ def test_kernel_sass_captures_triton_ir_and_finds_mma_loops():
     assert loops(sass) == [mma]
     assert loops(sass, mma_only=False) == [
         mma, {"start": "0x50", "instructions": 2, "opcodes": {"FADD": 1, "BRA": 1}}]
+
+
+STEP_HLO = """HloModule jit_forward_after, entry_computation_layout={...}
+
+%fused_add (p0: bf16[8,4096]) -> bf16[8,4096] {
+  %p0 = bf16[8,4096]{1,0} parameter(0)
+  ROOT %inner_fusion.3 = bf16[8,4096]{1,0} fusion(%p0), kind=kLoop, calls=%x
+}
+
+ENTRY %main.42 (params: bf16[4096,6144], x: bf16[8,4096]) -> (f32[8,128256], bf16[8,4096]) {
+  %params = bf16[4096,6144]{1,0} parameter(0)
+  %x = bf16[8,4096]{1,0} parameter(1)
+  %fusion.1368 = bf16[8,4096]{1,0} fusion(%x), kind=kCustom, calls=%norm
+  %gemm_fusion_dot.3 = f32[4,8,6144]{2,1,0} fusion(%fusion.1368, %params), kind=kCustom
+  %pallas_call.12 = (f32[512,128]{1,0}, f32[512]{0}) custom-call(%x), \
+custom_call_target="__gpu$xla.gpu.triton"
+  %loop_add_fusion.1.2 = bf16[8,4096]{1,0} fusion(%x, %x), kind=kLoop, calls=%fused_add
+  %bitcast.7 = bf16[8,1,4096]{2,1,0} bitcast(%loop_add_fusion.1.2)
+  %copy.2 = bf16[8,4096]{0,1} copy(%x)
+  %while.1 = (s32[]) while(%t), condition=%c, body=%b
+  ROOT %tuple = (f32[8,128256]{1,0}, bf16[8,4096]{1,0}) tuple(%gemm_fusion_dot.3, %copy.2)
+}
+"""
+
+
+def test_step_kernels_counts_the_entry_computations_launches():
+    # benchmarks/step_kernels.py: fusions by name stem, custom calls by target, other
+    # launching ops by opcode; a nested computation's fusion, bitcasts, tuples and
+    # parameters are not launches of the step
+    from jaxllm.benchmarks.step_kernels import count_kernels
+
+    assert count_kernels(STEP_HLO) == {
+        "fusion": 1, "gemm_fusion_dot": 1, "custom-call __gpu$xla.gpu.triton": 1,
+        "loop_add_fusion": 1, "copy": 1, "while": 1}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
+                    or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}")
+                               for v in (12, 13)),
+                    reason="deviceless GPU compilation needs JAX's CUDA plugin")
+def test_step_kernels_compiles_the_engines_step_for_an_h200_without_one(tiny_config):
+    from jaxllm.benchmarks import step_kernels
+
+    result = step_kernels.run(step_kernels.parse_args(
+        ["--model", tiny_config, "--quantization", "none,fp8", "--buckets", "1x1,4x16"]))
+    counts = {(r["quantization"], r["rows"]): r for r in result["rows"]}
+    # the tiny config's 2 layers: a decode step runs the Pallas decode kernel in each (a
+    # Triton custom call), a mixed step two kernels in each (its head_dim 16 is not the
+    # Hopper prefill kernel's)
+    triton = "custom-call __gpu$xla.gpu.triton"
+    assert counts["none", 1]["by_kind"][triton] == 2
+    assert counts["none", 4]["by_kind"][triton] == 4
+    # FP8 adds each projection's per-token quantization
+    for rows in (1, 4):
+        assert counts["fp8", rows]["kernels"] > counts["none", rows]["kernels"]

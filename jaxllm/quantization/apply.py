@@ -51,7 +51,7 @@ def quantize_leaf(path: tuple, leaf: jax.Array, config: QuantizationConfig | Non
             lambda part, x: NamedSharding(sharding.mesh, param_spec((*path, *part), x.shape)),
             jax.eval_shape(quantize, leaf))}
     quantized = jax.jit(quantize, **out)(leaf)
-    if donate:
+    if donate and not isinstance(leaf, jax.core.Tracer):  # traced: shapes only (eval_shape)
         leaf.delete()
     return quantized
 

@@ -1,0 +1,224 @@
+"""``python -m jaxllm.benchmarks.step_kernels``: the kernels one engine step launches on an H200,
+counted in its compiled program, on a machine without a GPU.
+
+Why: small steps (batch-1 decode, the offline run's tail, AWQ and FP8 at a few rows) are bound
+by launching their ~500-850 kernels (RESULTS.md: the AWQ batch-1 step's host time), and what
+a change does to that count needs no device to see. XLA compiles for a described device
+(deviceless compilation: a PJRT topology made from a ``GpuTargetConfig``, :data:`H200`), so
+the engine's own step program (``step_programs``' forward, over the loader's dummy params as
+shapes only) is compiled for sm_90a here as on the H200. Needs JAX's CUDA plugin installed
+(``jax[cuda13]``; no driver, no GPU); run with ``JAX_PLATFORMS=cpu``.
+
+What differs from the GPU's own compile: XLA cannot autotune without the device, so its GEMM
+picks are heuristic (on the H200 the autotuner may choose cuBLAS where this shows a split-K
+Triton GEMM and the reduction after it). The other kernels (norms, RoPE, the KV writes,
+attention, quantization) come from the same HLO passes. Counted: every launch in the entry
+computation (fusions, custom calls, copies; a ``while`` counts once).
+
+    JAX_PLATFORMS=cpu python -m jaxllm.benchmarks.step_kernels --quantization none,fp8,awq \\
+        --buckets 1x1,8x8,64x64,1024x8192 --env JAXLLM_FP8_SWIGLU_KERNEL=off,f32
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import itertools
+import os
+import re
+import time
+from unittest import mock
+
+from jaxllm.benchmarks.provenance import source_commit, write_json
+
+# The H200's GpuTargetConfigProto (stream_executor/device_description.proto) in text form:
+# what XLA's GPU compiler reads of a device (public specifications: 132 SMs, 141 GB HBM3e at
+# 4.8 TB/s, 50 MiB of L2, compute capability 9.0a).
+H200 = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: 233472
+  shared_memory_per_block_optin: 232448
+  threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  thread_dim_limit_x: 1024 thread_dim_limit_y: 1024 thread_dim_limit_z: 64
+  memory_bandwidth: 4800000000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 151397597184
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  device_vendor: "NVIDIA Corporation" platform_version: "Compute Capability 9.0a"
+  device_address_bits: 64 pcie_bandwidth: 34359738368 ecc_enabled: true
+  name: "NVIDIA H200" driver_version: "13.0.0" runtime_version: "13.0.0"
+  compile_time_toolkit_version: "13.0.0" dnn_version: "9.10.0"
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 10 patch: 0 }
+device_description_str: "NVIDIA H200"
+"""
+POOL_BLOCKS = 4096
+LAUNCHING = ("fusion", "custom-call", "copy", "while", "conditional", "call", "gather",
+             "scatter", "dynamic-update-slice", "sort")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ("
+                          + "|".join(map(re.escape, LAUNCHING)) + r")\(")
+
+
+def count_kernels(hlo_text: str) -> collections.Counter:
+    """Launches of a compiled module's entry computation, by kind: a fusion by its name's stem
+    (``loop_add_fusion``, ``gemm_fusion_dot``), a custom call by its target, other ops by
+    opcode. ``bitcast``s, tuples, parameters and constants launch nothing."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    kinds = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        match = _INSTRUCTION.match(line)
+        if match is None:
+            continue
+        name, op = match.groups()
+        if op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            kinds["custom-call " + (target.group(1) if target else "?")] += 1
+        elif op == "fusion":
+            kinds[re.sub(r"(\.\d+)+$", "", name)] += 1
+        else:
+            kinds[op] += 1
+    return kinds
+
+
+def deviceless_gpu(target_config: str = H200):
+    """A device of XLA's GPU compiler for ``target_config``: compile for it, never run."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=target_config,
+                                            topology="1x1x1")
+    return topology.devices[0]
+
+
+@contextlib.contextmanager
+def tracing_for_gpu():
+    """The engine's GPU choices while tracing in a CPU process: the engine asks
+    ``jax.default_backend()`` (Pallas kernels, the Hopper prefill kernel) and Pallas' Triton
+    lowering asks the device's compute capability; both are told "an H200"."""
+    import jax
+    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+    import jaxllm.attention
+
+    h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+    with mock.patch.object(jax, "default_backend", lambda: "gpu"), \
+            mock.patch.object(jaxllm.attention, "_compute_capability", lambda: "9.0"), \
+            mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info",
+                              lambda: h200):
+        yield
+
+
+def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows: int,
+                 tokens: int, table_width: int, attention_backend: str, device):
+    """The engine's forward program for one step shape, lowered for ``device``: (lowered,
+    the compile options the engine gives it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxllm.batch import PackedBatch, pack_batch
+    from jaxllm.engine.step_programs import ProgramKey, step_programs
+    from jaxllm.kv_pool import kv_cache_dtype as pool_dtype
+    from jaxllm.kv_pool import new_kv_pool
+    from jaxllm.loading import load_model
+    from jaxllm.quantization.compile_options import forward_compiler_options
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def placed(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                            tree)
+
+    loaded = {}
+
+    def params():  # the loader's dummy params, shapes only
+        model_ = load_model(model, load_format="dummy", dtype="bfloat16",
+                            quantization=quantization, unroll_layers=True)
+        loaded["model"] = model_
+        return model_.params
+
+    abstract_params = placed(jax.eval_shape(params))
+    loaded_model = loaded["model"]
+    cfg, dtype = loaded_model.config, loaded_model.dtype
+    # the pool's size changes no kernel, only the memory XLA plans for (a large one makes it
+    # rematerialize to fit the device)
+    pool = placed(jax.eval_shape(lambda: new_kv_pool(
+        cfg, POOL_BLOCKS, 16, pool_dtype(kv_cache_dtype, dtype), unroll_layers=True)))
+    batch = pack_batch([], 16, num_tokens=tokens, num_seqs=rows, table_width=table_width,
+                       num_logits=rows, decode_only=rows == tokens)
+    packed = placed(PackedBatch.pack(batch, np.full(tokens, -1, np.int32)))
+    max_rows = max(rows, 1024)
+    programs = step_programs(ProgramKey(cfg, dtype, attention_backend, None, max_rows))
+    prev_tokens = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=sharding)
+    with tracing_for_gpu():
+        # traced anew: what the program reads of the environment (JAXLLM_FP8_SWIGLU_KERNEL)
+        # is read as it is traced, and JAX would reuse an earlier trace of the same shapes
+        jax.clear_caches()
+        lowered = programs.forward.lower(abstract_params, pool, packed, prev_tokens)
+    return lowered, forward_compiler_options(loaded_model.quantization)
+
+
+def _variants(specs: list[str]) -> list[dict[str, str]]:
+    """``NAME=a,b`` specs -> every combination of their values (one dict each)."""
+    axes = []
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        axes.append([(name, value) for value in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)] or [{}]
+
+
+def run(args) -> dict:
+    device = deviceless_gpu()
+    rows_out = []
+    print(f"{'quantization':<13}{'bucket':>11}  {'env':<34}{'kernels':>8}  top kinds",
+          flush=True)
+    for quantization, bucket, env in itertools.product(
+            args.quantization.split(","), args.buckets.split(","), _variants(args.env)):
+        rows, tokens = (int(n) for n in bucket.split("x"))
+        with mock.patch.dict(os.environ, env):
+            t0 = time.perf_counter()
+            lowered, options = step_program(
+                args.model, None if quantization == "none" else quantization,
+                args.kv_cache_dtype, rows, tokens, args.table_width, args.attention_backend,
+                device)
+            text = lowered.compile(compiler_options=options).as_text()
+        kinds = count_kernels(text)
+        row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
+               "kernels": sum(kinds.values()), "by_kind": dict(kinds.most_common()),
+               "compile_s": time.perf_counter() - t0}
+        rows_out.append(row)
+        top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(4))
+        print(f"{quantization:<13}{bucket:>11}  {str(env or ''):<34}{row['kernels']:>8}  {top}",
+              flush=True)
+    return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
+            "args": vars(args), "rows": rows_out}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3-8b", help="a preset (dummy weights)")
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated: none, fp8, int8, awq, gptq")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--buckets", default="1x1,8x8,64x64,256x256,1024x8192",
+                        help="comma-separated ROWSxTOKENS step shapes (ROWS == TOKENS: decode)")
+    parser.add_argument("--table-width", type=int, default=64, help="blocks a sequence holds")
+    parser.add_argument("--attention-backend", default="pallas_mosaic",
+                        help="the engine's on the H200: pallas_mosaic")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=V1,V2",
+                        help="an environment variable's values to compile under (repeatable)")
+    parser.add_argument("--output-json", default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    write_json(run(args), args.output_json)
+
+
+if __name__ == "__main__":
+    main()
