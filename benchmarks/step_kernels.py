@@ -16,7 +16,8 @@ attention, quantization) come from the same HLO passes. Counted: every launch in
 computation (fusions, custom calls, copies; a ``while`` counts once).
 
     JAX_PLATFORMS=cpu python -m jaxllm.benchmarks.step_kernels --quantization none,fp8,awq \\
-        --buckets 1x1,8x8,64x64,1024x8192 --env JAXLLM_FP8_SWIGLU_KERNEL=off,f32
+        --buckets 1x1,8x8,64x64,1024x8192 --env JAXLLM_FP8_SWIGLU_KERNEL=off,f32 \\
+        --compiler-option xla_gpu_experimental_enable_triton_heroless_priority_fusion=false,true
 """
 
 from __future__ import annotations
@@ -162,22 +163,29 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
     return lowered, forward_compiler_options(loaded_model.quantization)
 
 
-def _variants(specs: list[str]) -> list[dict[str, str]]:
-    """``NAME=a,b`` specs -> every combination of their values (one dict each)."""
+def _variants(specs: list[str], typed: bool = False) -> list[dict]:
+    """``NAME=a,b`` specs -> every combination of their values (one dict each); ``typed``:
+    "true" / "false" and integers as XLA's options take them."""
+    def value(text: str):
+        if typed and text in ("true", "false"):
+            return text == "true"
+        return int(text) if typed and text.lstrip("-").isdigit() else text
+
     axes = []
     for spec in specs:
         name, _, values = spec.partition("=")
-        axes.append([(name, value) for value in values.split(",")])
+        axes.append([(name, value(v)) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)] or [{}]
 
 
 def run(args) -> dict:
     device = deviceless_gpu()
     rows_out = []
-    print(f"{'quantization':<13}{'bucket':>11}  {'env':<34}{'kernels':>8}  top kinds",
+    print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}  top kinds",
           flush=True)
-    for quantization, bucket, env in itertools.product(
-            args.quantization.split(","), args.buckets.split(","), _variants(args.env)):
+    for quantization, bucket, env, xla in itertools.product(
+            args.quantization.split(","), args.buckets.split(","), _variants(args.env),
+            _variants(args.compiler_option, typed=True)):
         rows, tokens = (int(n) for n in bucket.split("x"))
         with mock.patch.dict(os.environ, env):
             t0 = time.perf_counter()
@@ -185,14 +193,15 @@ def run(args) -> dict:
                 args.model, None if quantization == "none" else quantization,
                 args.kv_cache_dtype, rows, tokens, args.table_width, args.attention_backend,
                 device)
-            text = lowered.compile(compiler_options=options).as_text()
+            text = lowered.compile(compiler_options=options | xla).as_text()
         kinds = count_kernels(text)
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
-               "kernels": sum(kinds.values()), "by_kind": dict(kinds.most_common()),
-               "compile_s": time.perf_counter() - t0}
+               "compiler_options": xla, "kernels": sum(kinds.values()),
+               "by_kind": dict(kinds.most_common()), "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
         top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(4))
-        print(f"{quantization:<13}{bucket:>11}  {str(env or ''):<34}{row['kernels']:>8}  {top}",
+        setting = " ".join(f"{k}={v}" for k, v in (env | xla).items())
+        print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}  {top}",
               flush=True)
     return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
             "args": vars(args), "rows": rows_out}
@@ -211,6 +220,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the engine's on the H200: pallas_mosaic")
     parser.add_argument("--env", action="append", default=[], metavar="NAME=V1,V2",
                         help="an environment variable's values to compile under (repeatable)")
+    parser.add_argument("--compiler-option", action="append", default=[],
+                        metavar="NAME=V1,V2",
+                        help="an XLA option's values to compile with (repeatable), e.g. "
+                             "xla_gpu_enable_command_buffer=")
     parser.add_argument("--output-json", default=None)
     return parser.parse_args(argv)
 
