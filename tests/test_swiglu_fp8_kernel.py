@@ -20,7 +20,7 @@ from jaxllm.pallas_kernels.activation_quant import (
 from tiny_models import prompt_logits
 
 import jaxllm
-from jaxllm.layers import mlp
+from jaxllm.layers import fp8_kernels, mlp
 from jaxllm.layers.linear import linear, quantize_fp8, quantize_tokens_fp8
 
 TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
@@ -84,20 +84,21 @@ def test_shapes_the_kernel_cannot_take_are_named():
 # The engine's use of the kernel (jaxllm.layers.mlp): picked by JAXLLM_FP8_SWIGLU_KERNEL.
 
 def test_the_kernel_setting_is_read_from_the_environment_and_refused_when_unknown():
-    assert mlp.fp8_swiglu_kernel_setting({}) == "off"
-    assert mlp.fp8_swiglu_kernel_setting({mlp.FP8_SWIGLU_KERNEL_ENV: " bf16 "}) == "bf16"
+    assert fp8_kernels.swiglu_kernel_setting({}) == "off"
+    env = fp8_kernels.SWIGLU_KERNEL_ENV
+    assert fp8_kernels.swiglu_kernel_setting({env: " bf16 "}) == "bf16"
     with pytest.raises(ValueError, match=r"JAXLLM_FP8_SWIGLU_KERNEL='fp16' must be one of"):
-        mlp.fp8_swiglu_kernel_setting({mlp.FP8_SWIGLU_KERNEL_ENV: "fp16"})
+        fp8_kernels.swiglu_kernel_setting({env: "fp16"})
 
 
-def test_the_kernel_runs_only_between_two_fp8_projections_of_enough_tokens():
+def test_the_kernel_runs_only_between_two_fp8_projections():
     gate_up, down = (quantize_fp8(jnp.ones(shape)) for shape in ((8, 32), (16, 8)))
-    many = mlp.FP8_SWIGLU_KERNEL_MIN_TOKENS
-    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="f32") == jnp.float32
-    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="bf16") == jnp.bfloat16
-    assert mlp.fp8_swiglu_product_dtype(many, gate_up, down, setting="off") is None
-    assert mlp.fp8_swiglu_product_dtype(many - 1, gate_up, down, setting="f32") is None
-    assert mlp.fp8_swiglu_product_dtype(many, gate_up, jnp.ones((16, 8)), setting="f32") is None
+    product_dtype = fp8_kernels.swiglu_product_dtype
+    assert product_dtype(gate_up, down, setting="f32") == jnp.float32
+    assert product_dtype(gate_up, down, setting="bf16") == jnp.bfloat16
+    assert product_dtype(gate_up, down, setting="off") is None
+    assert product_dtype(gate_up, jnp.ones((16, 8)), setting="f32") is None
+    assert product_dtype(quantize_fp8(jnp.ones((2, 8, 32))), down, setting="f32") is None
 
 
 @pytest.mark.parametrize("dtype, product_dtype", [(jnp.float32, jnp.float32),
@@ -121,9 +122,9 @@ def test_the_mlp_through_the_kernel_matches_xlas_passes(dtype, product_dtype):
 def test_an_fp8_model_forward_through_the_kernel_matches_xlas_passes(monkeypatch):
     model = jaxllm.load_model(TINY_QWEN, dtype="float32", quantization="fp8")
     ids = [int(i) for i in np.random.default_rng(0).integers(1, 100, 80)]
-    monkeypatch.setenv(mlp.FP8_SWIGLU_KERNEL_ENV, "off")
+    monkeypatch.setenv(fp8_kernels.SWIGLU_KERNEL_ENV, "off")
     want = prompt_logits(model, ids)
-    monkeypatch.setenv(mlp.FP8_SWIGLU_KERNEL_ENV, "f32")
+    monkeypatch.setenv(fp8_kernels.SWIGLU_KERNEL_ENV, "f32")
     traced = []  # the kernel's calls as the forward is traced
     kernel = mlp.swiglu_quantize_fp8
     monkeypatch.setattr(mlp, "swiglu_quantize_fp8",

@@ -41,7 +41,7 @@ from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxllm.engine.stats import EngineStats
 from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
 from jaxllm.kv_pool import kv_cache_dtype
-from jaxllm.layers.mlp import fp8_swiglu_kernel_setting
+from jaxllm.layers import fp8_kernels
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import needs_penalties
@@ -70,7 +70,7 @@ class LLMEngine(StepLauncher):
         config = config.replace(unroll_layers=resolve_unroll_layers(config.unroll_layers,
                                                                     jax.default_backend()))
         backend = resolve_backend(config.attention_backend)  # refused before any loading
-        fp8_swiglu_kernel_setting()  # likewise a bad JAXLLM_FP8_SWIGLU_KERNEL
+        fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,

@@ -30,6 +30,8 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import flax.struct
 import jax
@@ -96,6 +98,20 @@ class Fp8Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         return (self.qt.astype(dtype) * self.scale[..., :, None].astype(dtype)).swapaxes(-1, -2)
+
+
+@flax.struct.dataclass
+class Fp8Activation:
+    """Activations [T, K] already quantized per token for an FP8 projection (by the kernel
+    that also computed them: ``jaxllm.layers.fp8_kernels``): x ~= q x scale."""
+
+    q: jax.Array  # float8_e4m3fn [T, K]
+    scale: jax.Array  # f32 [T, 1]
+    dtype: Any = flax.struct.field(pytree_node=False)  # the activations' dtype: the output's
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
 
 
 def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
@@ -211,11 +227,16 @@ def _weight_after(x: jax.Array, weight):
     return weight
 
 
-def linear(x: jax.Array, kernel, *, int4_backend: str = "auto",
+def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
            mesh: Mesh | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
-    """``x @ kernel`` for a float or quantized kernel. ``int4_backend`` ("auto", "xla",
+    """``x @ kernel`` for a float or quantized kernel (an FP8 one may take activations already
+    quantized, :class:`Fp8Activation`). ``int4_backend`` ("auto", "xla",
     "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
     (:func:`int4_kernel`)."""
+    if isinstance(x, Fp8Activation):
+        if not isinstance(kernel, Fp8Weight):
+            raise TypeError(f"FP8 activations need an FP8 weight, got {type(kernel).__name__}")
+        return fp8_matmul(x.q, x.scale, kernel, x.dtype)
     if isinstance(kernel, Fp8Weight):
         return fp8_matmul(*quantize_tokens_fp8(x), kernel, x.dtype)
     if isinstance(kernel, Int4Weight):
@@ -252,7 +273,9 @@ class Linear(nn.Module):
             assert kernel.shape == shape, (kernel.shape, shape)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
-        y = linear(x.astype(self.dtype), kernel, mesh=self.mesh)
+        if not isinstance(x, Fp8Activation):  # quantized from this dtype already
+            x = x.astype(self.dtype)
+        y = linear(x, kernel, mesh=self.mesh)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

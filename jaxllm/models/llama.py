@@ -44,7 +44,9 @@ from jaxllm.attention import write_kv_and_attend
 from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
-from jaxllm.layers.mlp import fp8_swiglu_product_dtype, swiglu_mlp
+from jaxllm.layers.fp8_kernels import norm_quantizes, rmsnorm_quantized, swiglu_product_dtype
+from jaxllm.layers.linear import Fp8Activation
+from jaxllm.layers.mlp import swiglu_mlp
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
 from jaxllm.parallel.mesh import mesh_of, pipeline_parallel_size
@@ -56,10 +58,15 @@ Dtype = Any
 class RMSNorm(nn.Module):
     eps: float
     dtype: Dtype
+    # Quantize the output per token for the FP8 projection it feeds, in one kernel with the
+    # norm (jaxllm.layers.fp8_kernels): an Fp8Activation instead of an array.
+    quantize: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array | Fp8Activation:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if self.quantize:
+            return rmsnorm_quantized(x.astype(self.dtype), scale, self.eps)
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return scale * xf.astype(self.dtype)
@@ -96,7 +103,9 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [T, H] -> [T, H]
-        f, x = self.config.intermediate_size, x.astype(self.dtype)
+        f = self.config.intermediate_size
+        if not isinstance(x, Fp8Activation):  # (quantized from this dtype already)
+            x = x.astype(self.dtype)
         if self.is_initializing():  # the projections' params: Linear's
             Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x)
             Linear(self.config.hidden_size, False, self.dtype, self.mesh, name="down_proj")(
@@ -104,8 +113,7 @@ class MLP(nn.Module):
         params = self.variables["params"]
         gate_up, down = params["gate_up_proj"]["kernel"], params["down_proj"]["kernel"]
         return swiglu_mlp(x, gate_up, down, mesh=self.mesh,
-                          product_dtype=fp8_swiglu_product_dtype(x.shape[0], gate_up, down,
-                                                                 self.mesh))
+                          product_dtype=swiglu_product_dtype(gate_up, down, self.mesh))
 
 
 class DecoderLayer(nn.Module):
@@ -118,11 +126,18 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, cos, sin, batch: BatchMetadata):
         hidden, kv_pool, layer = carry
         eps = self.config.rms_norm_eps
-        attn_in = RMSNorm(eps, self.dtype, name="input_layernorm")(hidden)
+        params = {} if self.is_initializing() else self.variables["params"]
+
+        def norm(name: str, module: str, projection: str):  # RMSNorm before the projection
+            kernel = params.get(module, {}).get(projection, {}).get("kernel")
+            return RMSNorm(eps, self.dtype, norm_quantizes(hidden, kernel, self.mesh),
+                           name=name)
+
+        attn_in = norm("input_layernorm", "attn", "qkv_proj")(hidden)
         attention = Attention(self.config, self.dtype, self.backend, self.mesh, name="attn")
         attn_out, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch)
         hidden = hidden + attn_out
-        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
+        mlp_in = norm("post_attention_layernorm", "mlp", "gate_up_proj")(hidden)
         hidden = hidden + MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in)
         return (hidden, kv_pool, layer + 1), None
 

@@ -1,7 +1,15 @@
 """Activation quantization kernels for FP8 W8A8 projections."""
 
-from .reference import FP8_DTYPE, FP8_MAX, swiglu_quantize_fp8_reference
+from . import rmsnorm_fp8, swiglu_fp8
+from .reference import (
+    FP8_DTYPE,
+    FP8_MAX,
+    rmsnorm_quantize_fp8_reference,
+    swiglu_quantize_fp8_reference,
+)
+from .rmsnorm_fp8 import rmsnorm_quantize_fp8
 from .swiglu_fp8 import swiglu_quantize_fp8, unsupported
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "swiglu_quantize_fp8", "swiglu_quantize_fp8_reference",
-           "unsupported"]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "rmsnorm_fp8", "rmsnorm_quantize_fp8",
+           "rmsnorm_quantize_fp8_reference", "swiglu_fp8", "swiglu_quantize_fp8",
+           "swiglu_quantize_fp8_reference", "unsupported"]

@@ -1,5 +1,10 @@
-"""The reference of :func:`~.swiglu_fp8.swiglu_quantize_fp8`: the FP8 MLP's steps between its
-two GEMMs as the model runs them in XLA (``jaxllm.layers.linear`` and ``models.llama.MLP``)."""
+"""The references of the activation quantization kernels: what the model runs in XLA before an
+FP8 W8A8 projection (``jaxllm.layers.linear``, ``models.llama``), bit for bit.
+
+- :func:`swiglu_quantize_fp8_reference` (:func:`~.swiglu_fp8.swiglu_quantize_fp8`): the FP8
+  MLP's steps between its two GEMMs;
+- :func:`rmsnorm_quantize_fp8_reference` (:func:`~.rmsnorm_fp8.rmsnorm_quantize_fp8`): a
+  decoder layer's RMSNorm and the next projection's per-token quantization."""
 
 from __future__ import annotations
 
@@ -25,6 +30,24 @@ def swiglu_quantize_fp8_reference(
     y = (product.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
     pairs = y.reshape(*y.shape[:-1], -1, 2)
     h = (nn.silu(pairs[..., 0]) * pairs[..., 1]).astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
+def rmsnorm_quantize_fp8_reference(
+    x: jax.Array,  # [T, H] the residual stream
+    weight: jax.Array,  # [H] the norm's scale, in the model dtype
+    eps: float,
+    interpret: bool = False,  # the kernel's signature; unused
+) -> tuple[jax.Array, jax.Array]:  # (float8_e4m3fn [T, H], f32 [T, 1])
+    """RMSNorm as ``models.llama.RMSNorm`` computes it (float32 statistics, the normalized row
+    rounded to x's dtype, then times the weight in that dtype), quantized per token (absmax /
+    448) as :func:`jaxllm.layers.linear.quantize_tokens_fp8` does."""
+    del interpret
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    h = (weight * xf.astype(x.dtype)).astype(jnp.float32)
     absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
     scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
     return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale

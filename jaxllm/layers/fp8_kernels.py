@@ -1,0 +1,89 @@
+"""Which of the FP8 activation kernels (``pallas_kernels/activation_quant``) the model runs in
+place of XLA's passes before an FP8 W8A8 projection, as the environment picks them.
+
+Both are off by default until timed on a GPU in the engine (RESULTS.md): a Pallas call
+replaces two or three of XLA's fusions a norm or an MLP (``benchmarks/step_kernels.py`` counts
+them), but whether it costs less to launch than they do is the GPU's to say.
+
+- ``JAXLLM_FP8_SWIGLU_KERNEL`` = ``off`` | ``f32`` | ``bf16``: SwiGLU and the down
+  projection's quantization in one kernel over gate_up's product, written by the FP8 GEMM in
+  that dtype (:func:`jaxllm.layers.mlp.swiglu_mlp`);
+- ``JAXLLM_FP8_NORM_KERNEL`` = ``off`` | ``on``: a layer's two RMSNorms and the next
+  projection's quantization in one kernel each (:func:`rmsnorm_quantized`).
+
+Either runs only on one device (a pallas_call is opaque to XLA's partitioner) and is
+interpreted off the GPU (tests). Read as the forward is traced; part of the executable
+cache's key (``executable_cache.PROGRAM_ENV``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxllm.layers.linear import Fp8Activation, Fp8Weight
+from jaxllm.pallas_kernels.activation_quant import rmsnorm_fp8, rmsnorm_quantize_fp8
+from jaxllm.parallel.mesh import tensor_parallel_size
+
+SWIGLU_KERNEL_ENV = "JAXLLM_FP8_SWIGLU_KERNEL"
+SWIGLU_KERNELS = {"off": None, "f32": jnp.float32, "bf16": jnp.bfloat16}
+NORM_KERNEL_ENV = "JAXLLM_FP8_NORM_KERNEL"
+NORM_KERNELS = ("off", "on")
+
+
+def _setting(environ, name: str, choices) -> str:
+    value = environ.get(name, "").strip() or "off"
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
+    return value
+
+
+def swiglu_kernel_setting(environ=os.environ) -> str:
+    """``JAXLLM_FP8_SWIGLU_KERNEL``'s value ("off" when unset); a clear error for any other."""
+    return _setting(environ, SWIGLU_KERNEL_ENV, SWIGLU_KERNELS)
+
+
+def norm_kernel_enabled(environ=os.environ) -> bool:
+    """Whether ``JAXLLM_FP8_NORM_KERNEL`` is "on"; a clear error for a value not listed."""
+    return _setting(environ, NORM_KERNEL_ENV, NORM_KERNELS) == "on"
+
+
+def check_settings(environ=os.environ) -> None:
+    """Both settings read once (the engine's start refuses a bad one before loading)."""
+    swiglu_kernel_setting(environ)
+    norm_kernel_enabled(environ)
+
+
+def _one_device_fp8(kernel, mesh: Mesh | None) -> bool:
+    return (isinstance(kernel, Fp8Weight) and kernel.qt.ndim == 2
+            and tensor_parallel_size(mesh) == 1)
+
+
+def swiglu_product_dtype(gate_up, down, mesh: Mesh | None = None, setting: str | None = None):
+    """Static: the dtype of gate_up's product the one-pass SwiGLU kernel reads for this
+    projection pair, or None (XLA's passes): FP8 weights in both on one device, and the
+    kernel picked (``setting``, by default the environment's)."""
+    product_dtype = SWIGLU_KERNELS[setting or swiglu_kernel_setting()]
+    if product_dtype is None or not (_one_device_fp8(gate_up, mesh)
+                                     and _one_device_fp8(down, mesh)):
+        return None
+    return product_dtype
+
+
+def norm_quantizes(x: jax.Array, kernel, mesh: Mesh | None = None,
+                   enabled: bool | None = None) -> bool:
+    """Static: does the RMSNorm before this projection quantize its output in one kernel
+    (:func:`rmsnorm_quantized`)? An FP8 projection on one device, a row the kernel takes, and
+    the kernel picked (``enabled``, by default the environment's)."""
+    enabled = norm_kernel_enabled() if enabled is None else enabled
+    return (enabled and _one_device_fp8(kernel, mesh)
+            and rmsnorm_fp8.unsupported(x.shape) is None)
+
+
+def rmsnorm_quantized(x: jax.Array, weight: jax.Array, eps: float) -> Fp8Activation:
+    """RMSNorm of ``x`` [T, H] (``weight`` [H]) quantized per token for an FP8 projection."""
+    q, scale = rmsnorm_quantize_fp8(x, weight, eps, interpret=jax.default_backend() != "gpu")
+    return Fp8Activation(q, scale, x.dtype)
