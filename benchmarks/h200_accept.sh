@@ -31,8 +31,10 @@
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
-#   one-pass SwiGLU + quantization kernel (fp8_mlp); "t1fs": t1f through that kernel
-#   (JAXLLM_FP8_SWIGLU_KERNEL, the product dtype m8 found faster): "m8 t1f t1fs" is the A/B
+#   one-pass SwiGLU + quantization kernel (fp8_mlp), after g8 (the FP8 activation kernels'
+#   tests on the GPU); "t1fs": t1f through both FP8 activation kernels (the RMSNorm + and
+#   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels); "l8k": their decode steps at 1 / 8
+#   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -133,26 +135,37 @@ only17() {
       --tokens 1,8,16,32,64,128,256 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
       && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,8,16,32,64,128,256 --variants N,K \
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
-    # the kernel compiled and checked against XLA's passes on the GPU (the MLP and a forward)
-    picked m8 && step g8_swiglu_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
-      tests/test_swiglu_fp8_kernel.py
+    # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
+    # MLP, the norm, and forwards through them)
+    picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
+      tests/test_swiglu_fp8_kernel.py tests/test_rmsnorm_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
-    # t1f with SwiGLU + the down projection's quantization in one kernel (jaxllm.layers.mlp),
-    # over the product dtype m8 found fastest (f32 when m8 did not run or XLA's passes won)
-    if picked t1fs && grep -q "failed\|error" "$DIR"/g8_*.log 2>/dev/null; then
-      echo "t1fs skipped: the kernel's tests failed on the GPU (g8)" >> "$DIR/steps.txt"
-    elif picked t1fs; then
-      local swiglu
-      swiglu=$($PY -m jaxllm.benchmarks.fp8_mlp --pick-from "$DIR/m8_fp8_mlp.json" 2>/dev/null)
-      [ "$swiglu" = bf16 ] || swiglu=f32
-      step t1fs_sharegpt_fp8_swiglu_$swiglu 150 300 env JAXLLM_FP8_SWIGLU_KERNEL=$swiglu \
-        $PY $TIMELINE --dataset-name sharegpt-like --quantization fp8 \
-        --output-json "$DIR/t1fs_sharegpt_fp8_swiglu_$swiglu.json"
-    fi
+    # t1f with both FP8 activation kernels (jaxllm.layers.fp8_kernels): each RMSNorm with the
+    # next projection's quantization, SwiGLU with the down projection's over the product dtype
+    # m8 found faster (f32 when m8 did not run or XLA's passes won); l8k: their small decode
+    # steps against XLA's passes (bench latency at 1 / 8 / 64 rows)
     local lat="${LATENCY//$'\n'/ }"  # one line (a newline in bash -c ends the command)
+    local small="${lat/1,64,256/1,8,64}"
+    if picked t1fs || picked l8k; then
+      # pytest's summary starts "N passed" only when nothing failed
+      if ! grep -qE "^[0-9]+ passed" "$DIR"/g8_*.log 2>/dev/null; then
+        echo "t1fs / l8k skipped: the kernels' GPU tests (g8) did not pass" >> "$DIR/steps.txt"
+      else
+        local swiglu
+        swiglu=$($PY -m jaxllm.benchmarks.fp8_mlp --pick-from "$DIR/m8_fp8_mlp.json" 2>/dev/null)
+        [ "$swiglu" = bf16 ] || swiglu=f32
+        local kernels="env JAXLLM_FP8_NORM_KERNEL=on JAXLLM_FP8_SWIGLU_KERNEL=$swiglu"
+        picked l8k && step l8k_fp8_kernels_small 40 240 bash -c "$PY $small -q fp8 \
+          --output-json $DIR/l8k_xla.json; $kernels $PY $small -q fp8 \
+          --output-json $DIR/l8k_kernels_$swiglu.json"
+        picked t1fs && step t1fs_sharegpt_fp8_kernels_$swiglu 150 300 $kernels $PY $TIMELINE \
+          --dataset-name sharegpt-like --quantization fp8 \
+          --output-json "$DIR/t1fs_sharegpt_fp8_kernels_$swiglu.json"
+      fi
+    fi
     # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),
     # t1a (AWQ int4, dummy, group 128); l16: their decode steps at batch 1 / 64 / 256
     picked t1k && step t1k_sharegpt_fp8_kv 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
@@ -164,7 +177,6 @@ only17() {
       --output-json $DIR/l16_fp8_kv.json; $PY $lat -q awq --output-json $DIR/l16_awq.json"
     # FP8's small decode steps, waited and back to back, under XLA's default and SKIP_TEMP
     # command buffers; bf16 beside
-    local small="${lat/1,64,256/1,8,64}"
     picked l8 && step l8_fp8_small 40 330 bash -c "$PY $small -q fp8 --output-json $DIR/l8_w8a8.json; \
       XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PY $small -q fp8 \
       --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
@@ -198,6 +210,7 @@ summary() {
   grep -h "pass 1\|traced" "$DIR"/p2*.log "$DIR"/p3*.log 2>/dev/null | cut -c1-250
   grep -h "x  \|variant\|block" "$DIR"/f8*.log "$DIR"/m8*.log 2>/dev/null | cut -c1-120
   grep -h "^decode\|^mixed" "$DIR"/t1f*.log 2>/dev/null | cut -c1-200
+  grep -h "b2b\|roofline" "$DIR"/l8k*.log 2>/dev/null | cut -c1-200
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
 }
 
