@@ -10,11 +10,13 @@ every loop holding MMA instructions (``HMMA``/``HGMMA``) is printed with its ins
 per warp and iteration and its most frequent opcodes.
 
 ``--kernel matmul`` (the tiled int4 kernel, --matmul-config's fields) is printed as the
-attention kernels are. ``--kernel gemv`` (the int4 GEMV over a [--k, --n] weight at --tokens,
-group --group-size, with
-the config gemv_config picks or --gemv-config's fields) has no MMA: its main loop is its
-longest backward branch (or, when each program runs one step and the loop is gone, the whole
-kernel), printed with instructions per thread and iteration, per weight, and every opcode.
+attention kernels are. ``--kernel rmsnorm_fp8`` / ``swiglu_fp8`` (the FP8 activation kernels
+at --tokens rows of --hidden / --intermediate) print their registers, stack (spills) and
+instruction count (``cuobjdump -res-usage``). ``--kernel gemv`` (the int4 GEMV over a [--k,
+--n] weight at --tokens, group --group-size, with the config gemv_config picks or
+--gemv-config's fields) has no MMA: its main loop is its longest backward branch (or, when each
+program runs one step and the loop is gone, the whole kernel), printed with instructions per
+thread and iteration, per weight, and every opcode.
 
     python -m jaxllm.benchmarks.kernel_sass --kernel decode --kv-dtype float8_e4m3fn \\
         --triton-python /tmp/tvenv/bin/python --output-json sass.json
@@ -32,6 +34,7 @@ import subprocess
 import tempfile
 import types
 
+ACTIVATION_KERNELS = ("rmsnorm_fp8", "swiglu_fp8")  # pallas_kernels/activation_quant
 # Llama-3-8B's attention: 32 query heads over 8 kv heads of 128, pages of 16.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
@@ -113,6 +116,31 @@ def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
     return ttir, config.num_warps, config.num_stages
 
 
+def capture_activation_quant(kernel: str, tokens: int, hidden: int,
+                             intermediate: int) -> tuple[str, int, int]:
+    """An FP8 activation kernel's Triton IR for sm_90 ("rmsnorm_fp8" over bf16 rows of
+    ``hidden``, "swiglu_fp8" over gate_up's float32 product of ``intermediate`` pairs) at
+    ``tokens`` rows, and its warps and stages."""
+    import jax
+    import jax.numpy as jnp
+    from jaxllm.pallas_kernels.activation_quant import (
+        rmsnorm_fp8,
+        rmsnorm_quantize_fp8,
+        swiglu_fp8,
+        swiglu_quantize_fp8,
+    )
+
+    spec = jax.ShapeDtypeStruct
+    if kernel == "rmsnorm_fp8":
+        ttir = _capture(lambda x, w: rmsnorm_quantize_fp8(x, w, 1e-5),
+                        [spec((tokens, hidden), jnp.bfloat16), spec((hidden,), jnp.bfloat16)])
+        return ttir, rmsnorm_fp8.NUM_WARPS, 1
+    ttir = _capture(lambda p, xs, ws: swiglu_quantize_fp8(p, xs, ws, jnp.bfloat16),
+                    [spec((tokens, 2 * intermediate), jnp.float32),
+                     spec((tokens, 1), jnp.float32), spec((2 * intermediate,), jnp.float32)])
+    return ttir, swiglu_fp8.NUM_WARPS, 1
+
+
 def _code(sass: str) -> list[tuple[int, str, str]]:
     """(address, opcode, operands) of every instruction (predicates dropped)."""
     code = []
@@ -144,8 +172,11 @@ def loops(sass: str, mma_only: bool = True) -> list[dict]:
     return found
 
 
-def compile_sass(ttir: str, warps: int, stages: int, triton_python: str) -> str:
-    """The SASS of the Triton IR compiled for sm_90 by ``triton_python``'s Triton."""
+def compile_sass(ttir: str, warps: int, stages: int, triton_python: str,
+                 usage: dict | None = None) -> str:
+    """The SASS of the Triton IR compiled for sm_90 by ``triton_python``'s Triton; with
+    ``usage``, the kernel's registers, stack and shared memory (``cuobjdump -res-usage``) are
+    put in it."""
     with tempfile.TemporaryDirectory() as tmp:
         ttir_path, cubin = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.cubin")
         with open(ttir_path, "w") as f:
@@ -155,6 +186,11 @@ def compile_sass(ttir: str, warps: int, stages: int, triton_python: str) -> str:
         if done.returncode:
             raise SystemExit(f"triton.compile failed in {triton_python}:\n{done.stderr}")
         cuobjdump = done.stdout.strip().splitlines()[-1]
+        if usage is not None:
+            text = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True,
+                                  text=True, check=True).stdout
+            usage.update({key.lower(): int(value) for key, value
+                          in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)})
         return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
 
@@ -230,11 +266,33 @@ def run_gemv(args) -> dict:
     return result
 
 
+def run_activation_quant(args) -> dict:
+    """An FP8 activation kernel's registers, spills and instruction count (it has no MMA
+    loop: the whole kernel, its loops listed)."""
+    from jaxllm.benchmarks.provenance import source_commit, write_json
+
+    ttir, warps, stages = capture_activation_quant(args.kernel, args.tokens, args.hidden,
+                                                   args.intermediate)
+    usage = {}
+    sass = compile_sass(ttir, warps, stages, args.triton_python, usage)
+    body = [op for op in _opcodes(sass) if op not in ("NOP", "EXIT")]
+    result = {"commit": source_commit(), "kernel": args.kernel, "tokens": args.tokens,
+              "hidden": args.hidden, "intermediate": args.intermediate, "num_warps": warps,
+              "resources": usage, "instructions": len(body),
+              "loops": loops(sass, mma_only=False)}
+    print(f"{args.kernel} ({warps} warps): {usage}, {len(body)} instructions, "
+          f"{len(result['loops'])} loops")
+    write_json(result, args.output_json)
+    return result
+
+
 def run(args) -> dict:
     from jaxllm.benchmarks.provenance import source_commit, write_json
 
     if args.kernel == "gemv":
         return run_gemv(args)
+    if args.kernel in ACTIVATION_KERNELS:
+        return run_activation_quant(args)
     if args.kernel == "matmul":
         from jaxllm.pallas_kernels.quantized_matmul import Int4MatmulConfig
 
@@ -263,8 +321,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernel", choices=["decode", "prefill", "gemv", "matmul"],
-                        default="decode")
+    parser.add_argument("--kernel", default="decode",
+                        choices=["decode", "prefill", "gemv", "matmul", *ACTIVATION_KERNELS])
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
     parser.add_argument("--tokens", type=int, default=None,
                         help="decode: sequences (256); prefill: chunk tokens (2048); gemv: 1")
@@ -272,6 +330,9 @@ def main(argv=None) -> None:
     parser.add_argument("--k", type=int, default=4096, help="gemv: the weight's K")
     parser.add_argument("--n", type=int, default=4096, help="gemv: the weight's N")
     parser.add_argument("--group-size", type=int, default=128, help="gemv: the int4 group")
+    parser.add_argument("--hidden", type=int, default=4096, help="rmsnorm_fp8: the row")
+    parser.add_argument("--intermediate", type=int, default=14336,
+                        help="swiglu_fp8: the MLP's width (gate, up pairs)")
     parser.add_argument("--gemv-config", default=None,
                         help="gemv: Int4GemvConfig fields, e.g. 'block_n=256,num_warps=8' "
                         "(default: gemv_config's pick, GEMV_TABLE's entry where listed)")
@@ -285,7 +346,8 @@ def main(argv=None) -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokens is None:
-        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "matmul": 128}[args.kernel]
+        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "matmul": 128,
+                       "rmsnorm_fp8": 64, "swiglu_fp8": 64}[args.kernel]
     run(args)
 
 

@@ -241,3 +241,14 @@ def test_step_kernels_compiles_the_engines_step_for_an_h200_without_one(tiny_con
     # FP8 adds each projection's per-token quantization
     for rows in (1, 4):
         assert counts["fp8", rows]["kernels"] > counts["none", rows]["kernels"]
+
+
+def test_kernel_sass_captures_the_fp8_activation_kernels():
+    # benchmarks/kernel_sass.py --kernel rmsnorm_fp8 | swiglu_fp8: their Triton IR for sm_90
+    from jaxllm.benchmarks.kernel_sass import capture_activation_quant
+
+    for kernel, dtype in (("rmsnorm_fp8", "bf16"), ("swiglu_fp8", "f32")):
+        ttir, warps, stages = capture_activation_quant(kernel, tokens=4, hidden=256,
+                                                       intermediate=512)
+        assert "tt.func" in ttir and "f8E4M3FN" in ttir and dtype in ttir, kernel
+        assert (warps, stages) == (4, 1)
