@@ -138,7 +138,7 @@ only17() {
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
-      tests/test_swiglu_fp8_kernel.py tests/test_rmsnorm_fp8_kernel.py
+      tests/test_activation_quant_kernels.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
