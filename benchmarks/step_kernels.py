@@ -134,17 +134,17 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             tree)
 
-    loaded = {}
+    described = {}
 
     def params():  # the loader's dummy params, shapes only
-        model_ = load_model(model, load_format="dummy", dtype="bfloat16",
+        loaded = load_model(model, load_format="dummy", dtype="bfloat16",
                             quantization=quantization, unroll_layers=True)
-        loaded["model"] = model_
-        return model_.params
+        described.update(config=loaded.config, dtype=loaded.dtype,
+                         quantization=loaded.quantization)  # (no tracer leaves the trace)
+        return loaded.params
 
     abstract_params = placed(jax.eval_shape(params))
-    loaded_model = loaded["model"]
-    cfg, dtype = loaded_model.config, loaded_model.dtype
+    cfg, dtype = described["config"], described["dtype"]
     # the pool's size changes no kernel, only the memory XLA plans for (a large one makes it
     # rematerialize to fit the device)
     pool = placed(jax.eval_shape(lambda: new_kv_pool(
@@ -160,7 +160,7 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
         # is read as it is traced, and JAX would reuse an earlier trace of the same shapes
         jax.clear_caches()
         lowered = programs.forward.lower(abstract_params, pool, packed, prev_tokens)
-    return lowered, forward_compiler_options(loaded_model.quantization)
+    return lowered, forward_compiler_options(described["quantization"])
 
 
 def _variants(specs: list[str], typed: bool = False) -> list[dict]:
