@@ -1,12 +1,12 @@
 """``python -m jaxllm.benchmarks.forward_temps``: the device temporaries of the engine's forward
 (and sampler) at given token counts, compiled, not run: what the KV planner subtracts
 (:func:`jaxllm.engine.kv_sizing.activation_bytes`). ``--barriers`` compiles the same shapes
-with other forms of :func:`jaxllm.layers.linear._weight_after`: ``none``, the forward before
+with other forms of :func:`jaxllm.layers.linear._after_input`: ``none``, the forward before
 ``943e1c5``, whose unrolled layers could all hold their dequantized weights at once (issue 16:
 the Llama-3-70B AWQ run ran out of memory asking 35.6 GiB); ``small``, only a 4-bit weight's
-scales and zero points through the barrier (the packed words not: if XLA copies what goes
-through a barrier, their copies are the bulk; on the H200 the full barrier still left 27.8
-GiB at 2,048 tokens).
+scales and zero points through the barrier; ``unused-x``, the barrier before 2026-12-05,
+whose x output the matmul did not use (XLA dropped it where it fused x's producer into the
+GEMM: 27.8 GiB at 2,048 tokens on the H200).
 
     python -m jaxllm.benchmarks.forward_temps --model llama-3-70b --load-format dummy \\
         --quantization awq --tokens 64,2048 --barriers full,none,small
@@ -54,20 +54,24 @@ def main(argv=None) -> None:
           f"{time.perf_counter() - t0:.1f} s on {jax.devices()[0].device_kind}")
     backend = args.attention_backend or ("pallas" if jax.default_backend() == "gpu"
                                          else "reference")
-    full = linear._weight_after
+    full = linear._after_input
 
     def small(x, weight):  # a 4-bit (qweight, scales, zeros): the small parts only
         if not isinstance(weight, tuple):
             return full(x, weight)
-        return (weight[0], *full(x, weight[1:]))
+        x, parts = full(x, weight[1:])
+        return x, (weight[0], *parts)
 
-    forms = {"full": full, "none": lambda x, w: w, "small": small}
+    def unused_x(x, weight):  # the barrier before 2026-12-05: its x output unused
+        return x, full(x, weight)[1]
+
+    forms = {"full": full, "none": lambda x, w: (x, w), "small": small, "unused-x": unused_x}
     variants = "full,none" if args.compare_without_barrier else args.barriers
     rows = []
     for variant in variants.split(","):
         if variant not in forms:
             parser.error(f"--barriers: {variant!r} is not one of {', '.join(forms)}")
-        linear._weight_after = forms[variant]
+        linear._after_input = forms[variant]
         for tokens in (int(t) for t in args.tokens.split(",")):
             t0 = time.perf_counter()
             temp = activation_bytes(model, tokens, min(args.max_num_seqs, tokens),
@@ -76,7 +80,7 @@ def main(argv=None) -> None:
                          "compile_s": time.perf_counter() - t0})
             print(f"{variant:>10}  {tokens:6d} tokens  temporaries {temp / GiB:8.2f} GiB  "
                   f"(compiled in {rows[-1]['compile_s']:.1f} s)", flush=True)
-    linear._weight_after = full
+    linear._after_input = full
     write_json({"benchmark": "forward_temps", "commit": source_commit(), "args": vars(args),
                 "device": jax.devices()[0].device_kind, "rows": rows}, args.output_json)
 

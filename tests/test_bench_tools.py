@@ -222,10 +222,13 @@ def test_step_kernels_counts_the_entry_computations_launches():
         "loop_add_fusion": 1, "copy": 1, "while": 1}
 
 
-@pytest.mark.skipif(importlib.util.find_spec("jax_plugins") is None
-                    or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}")
-                               for v in (12, 13)),
-                    reason="deviceless GPU compilation needs JAX's CUDA plugin")
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_plugins") is None
+    or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
+    reason="deviceless GPU compilation needs JAX's CUDA plugin")
+
+
+@needs_cuda_plugin
 def test_step_kernels_compiles_the_engines_step_for_an_h200_without_one(tiny_config):
     from jaxllm.benchmarks import step_kernels
 
@@ -252,3 +255,4 @@ def test_kernel_sass_captures_the_fp8_activation_kernels():
                                                        intermediate=512)
         assert "tt.func" in ttir and "f8E4M3FN" in ttir and dtype in ttir, kernel
         assert (warps, stages) == (4, 1)
+

@@ -10,6 +10,7 @@ import os
 import shutil
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import jaxllm
 from jaxllm.layers import Fp8Weight, Int8Weight, linear, quantize_fp8, quantize_int8
 from jaxllm.quantization import compile_options as co
 from jaxllm.quantization import resolve_quantization
+from jaxllm.quantization.apply import quantize_leaf
 
 HERE = os.path.dirname(__file__)
 TEXT = os.path.join(HERE, "fixtures", "text", "pride_and_prejudice_ch1.txt")
@@ -200,6 +202,38 @@ def test_dequantized_weights_are_not_all_live_at_once(method):
 
     layer_widened = 4 * 512 * (512 + 2 * 256 + 512 + 3 * 2048)  # f32 bytes of one layer
     assert temp_bytes(3) - temp_bytes(1) < layer_widened
+
+
+@pytest.mark.parametrize("method", ["int8", "awq"])
+def test_the_matmul_reads_its_input_through_the_weights_barrier(method):
+    """The barrier that holds a widened weight back until the layer's input exists must pass
+    the input on to the matmul: with its x output unused, XLA dropped it where it fused x's
+    producer (the RMSNorm) into the GEMM, and the Llama-3-70B AWQ forward compiled for the
+    H200 kept 27.8 GiB of widened weights (1.2 GiB with the input read through it;
+    benchmarks/step_kernels.py's deviceless compile, RESULTS.md 2026-12-05)."""
+    from jaxllm.loading.dummy import dummy_params
+    from jaxllm.model_config import ModelConfig
+    from jaxllm.quantization.config import dummy_int4_config
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=128)
+    if method == "awq":
+        params = dummy_params(cfg, jnp.bfloat16, quantization=dummy_int4_config("awq", 128))
+    else:
+        params = dummy_params(cfg, jnp.bfloat16,
+                              transform=lambda path, leaf: quantize_leaf(
+                                  path, leaf, resolve_quantization("int8", None)))
+    weight = jax.tree.map(lambda x: x[0], params["layers"]["mlp"]["down_proj"]["kernel"])
+    x = jnp.ones((128, 512), jnp.bfloat16)  # 128 tokens: XLA's path for 4-bit weights too
+    jaxpr = jax.make_jaxpr(lambda x, w: linear(x, w, int4_backend="xla"))(x, weight).jaxpr
+    [barrier] = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    through = {barrier.outvars[0]}  # x as the barrier passes it on, and what is made of it
+    for eqn in jaxpr.eqns:
+        if any(v in through for v in eqn.invars if isinstance(v, jax.extend.core.Var)):
+            through.update(eqn.outvars)
+    assert any(e.primitive.name == "dot_general" and e.invars[0] in through
+               for e in jaxpr.eqns)
 
 
 def test_fp8_mlp_benchmark_times_the_engines_block_and_candidates_that_cost_no_accuracy():

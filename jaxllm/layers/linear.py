@@ -215,16 +215,17 @@ def fp8_matmul(xq: jax.Array, x_scale: jax.Array, kernel: Fp8Weight, dtype) -> j
     return (fp8_product(xq, kernel) * x_scale * kernel.scale).astype(dtype)
 
 
-def _weight_after(x: jax.Array, weight):
-    """``weight``, not available before ``x``. A dequantized weight does not depend on the
-    activations, so XLA may schedule every layer's dequantization of an unrolled forward
-    before the first layer runs and keep them all live: the Llama-3-70B AWQ forward at 2,048
-    tokens asked 35.6 GiB of temporaries on the H200 (~one bf16 copy of 80 layers' down
-    projections), the CPU's grew by one layer's bf16 weights per layer. The barrier makes
-    each dequantization wait for its own layer's input, so one layer's copy is live at a
-    time."""
-    _, weight = jax.lax.optimization_barrier((x, weight))
-    return weight
+def _after_input(x: jax.Array, weight) -> tuple[jax.Array, object]:
+    """``(x, weight)``, the weight not available before ``x``. A dequantized weight does not
+    depend on the activations, so XLA may schedule every layer's dequantization of an unrolled
+    forward before the first layer runs and keep them all live: the Llama-3-70B AWQ forward at
+    2,048 tokens asked 35.6 GiB of temporaries on the H200 (~one bf16 copy of 80 layers' down
+    projections), the CPU's grew by one layer's bf16 weights per layer. The barrier makes each
+    dequantization wait for its own layer's input, so one layer's copy is live at a time. The
+    caller must use both outputs: with x's output unused XLA dropped the barrier where it had
+    fused x's producer into the GEMM (every gate_up after an RMSNorm; 27.8 GiB of
+    temporaries in the compiled H200 program, RESULTS.md 2026-12-05)."""
+    return jax.lax.optimization_barrier((x, weight))
 
 
 def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
@@ -246,11 +247,11 @@ def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
         if impl is not None:
             return impl(*parts, group_size=kernel.group_size,
                         interpret=int4_backend == "pallas_interpret")
-        return int4_matmul_reference(x, *_weight_after(x, parts[1:]),
-                                     group_size=kernel.group_size)
+        x, weight = _after_input(x, parts[1:])
+        return int4_matmul_reference(x, *weight, group_size=kernel.group_size)
     if isinstance(kernel, Int8Weight):
-        y = jnp.dot(x, _weight_after(x, kernel.q).astype(x.dtype))
-        return y * kernel.scale.astype(x.dtype)
+        x, q = _after_input(x, kernel.q)
+        return jnp.dot(x, q.astype(x.dtype)) * kernel.scale.astype(x.dtype)
     return jnp.dot(x, kernel.astype(x.dtype))
 
 
