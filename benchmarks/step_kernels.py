@@ -1,5 +1,5 @@
 """``python -m jaxllm.benchmarks.step_kernels``: the kernels one engine step launches on an H200,
-counted in its compiled program, on a machine without a GPU.
+counted in its compiled program, and the temporaries it holds, on a machine without a GPU.
 
 Why: small steps (batch-1 decode, the offline run's tail, AWQ and FP8 at a few rows) are bound
 by launching their ~500-850 kernels (RESULTS.md: the AWQ batch-1 step's host time), and what
@@ -13,7 +13,8 @@ What differs from the GPU's own compile: XLA cannot autotune without the device,
 picks are heuristic (on the H200 the autotuner may choose cuBLAS where this shows a split-K
 Triton GEMM and the reduction after it). The other kernels (norms, RoPE, the KV writes,
 attention, quantization) come from the same HLO passes. Counted: every launch in the entry
-computation (fusions, custom calls, copies; a ``while`` counts once).
+computation (fusions, custom calls, copies; a ``while`` counts once), and XLA's temporaries
+(``memory_analysis``: what the engine's KV planner subtracts from the device's memory).
 
     JAX_PLATFORMS=cpu python -m jaxllm.benchmarks.step_kernels --quantization none,fp8,awq \\
         --buckets 1x1,8x8,64x64,1024x8192 --env JAXLLM_FP8_SWIGLU_KERNEL=off,f32 \\
@@ -181,7 +182,8 @@ def _variants(specs: list[str], typed: bool = False) -> list[dict]:
 def run(args) -> dict:
     device = deviceless_gpu()
     rows_out = []
-    print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}  top kinds",
+    print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}{'temp GiB':>9}"
+          "  top kinds",
           flush=True)
     for quantization, bucket, env, xla in itertools.product(
             args.quantization.split(","), args.buckets.split(","), _variants(args.env),
@@ -193,16 +195,19 @@ def run(args) -> dict:
                 args.model, None if quantization == "none" else quantization,
                 args.kv_cache_dtype, rows, tokens, args.table_width, args.attention_backend,
                 device)
-            text = lowered.compile(compiler_options=options | xla).as_text()
-        kinds = count_kernels(text)
+            compiled = lowered.compile(compiler_options=options | xla)
+        kinds = count_kernels(compiled.as_text())
+        # what the KV planner subtracts (jaxllm.engine.kv_sizing.activation_bytes)
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
                "compiler_options": xla, "kernels": sum(kinds.values()),
-               "by_kind": dict(kinds.most_common()), "compile_s": time.perf_counter() - t0}
+               "by_kind": dict(kinds.most_common()), "temp_bytes": temp,
+               "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
-        top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(4))
+        top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(3))
         setting = " ".join(f"{k}={v}" for k, v in (env | xla).items())
-        print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}  {top}",
-              flush=True)
+        print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}"
+              f"{temp / 2**30:>9.2f}  {top}", flush=True)
     return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
             "args": vars(args), "rows": rows_out}
 
