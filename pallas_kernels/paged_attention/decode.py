@@ -131,7 +131,8 @@ def _decode_kernel(layer_ref, tables_ref, seq_ref, lo_ref, hi_ref, q_ref, k_ref,
 
 def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     """Merges split-K partials o f32[T, K, Hq, D] with log2-sum-exp lse f32[T, K, Hq] into
-    [T, Hq, D] in ``dtype`` (one reduction over K: XLA fuses it into one kernel)."""
+    [T, Hq, D] in ``dtype`` (reductions over K; XLA compiles them to three small kernels a
+    call for the H200: the weights, their sum, the weighted sum: benchmarks/step_kernels.py)."""
     m = lse.max(axis=1, keepdims=True)
     weights = jnp.exp2(lse - jnp.where(jnp.isfinite(m), m, 0.0))  # empty splits weigh 0
     total = weights.sum(axis=1)
