@@ -34,7 +34,8 @@
 #   one-pass SwiGLU + quantization kernel (fp8_mlp), after g8 (the FP8 activation kernels'
 #   tests on the GPU); "t1fs": t1f through both FP8 activation kernels (the RMSNorm + and
 #   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels); "l8k": their decode steps at 1 / 8
-#   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes)
+#   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
+#   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
