@@ -86,8 +86,7 @@ def run(args) -> dict:
     weights = {False: jnp.asarray(fp8_weight.qt.T), True: fp8_weight.qt}
     # The engine's FP8 compile options (XLA's default autotuner timed FP8 algorithms for
     # minutes a shape; the 2026-12-04 run of this benchmark died in it).
-    options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
-        if jax.default_backend() == "gpu" else {}
+    options = co.forward_compiler_options(QuantizationConfig(method="fp8"))
     wanted = args.variants.split("|") if args.variants else [""]
     rows = []
     print(f"{'tokens':>6}  {'variant':<28}{'us':>10}{'TFLOP/s':>9}{'weight TB/s':>12}"

@@ -64,8 +64,7 @@ def run(args) -> dict:
                                    jnp.bfloat16),
             "down": jnp.asarray(rng.standard_normal((f, h), np.float32) * 0.02, jnp.bfloat16)}
     fp8 = {name: quantize_fp8(w) for name, w in bf16.items()}
-    options = co.forward_compiler_options(QuantizationConfig(method="fp8")) \
-        if jax.default_backend() == "gpu" else {}
+    options = co.forward_compiler_options(QuantizationConfig(method="fp8"))
     blocks = _blocks()
     rows = []
     print(f"{'tokens':>6}  {'block':<22}{'us':>10}{'TFLOP/s':>9}{'vs bf16':>9}"

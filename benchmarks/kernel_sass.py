@@ -32,7 +32,7 @@ import os
 import re
 import subprocess
 import tempfile
-import types
+from unittest import mock
 
 ACTIVATION_KERNELS = ("rmsnorm_fp8", "swiglu_fp8")  # pallas_kernels/activation_quant
 # Llama-3-8B's attention: 32 query heads over 8 kv heads of 128, pages of 16.
@@ -51,9 +51,10 @@ print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 
 def _capture(fn, args) -> str:
     """The Triton IR (text) of the last Pallas kernel in ``jax.jit(fn)`` as JAX lowers it for
-    an sm_90 GPU (the GPU query faked)."""
+    an sm_90 GPU (the GPU query faked: ``step_kernels.tracing_for_gpu``)."""
     import jax
     from jax._src.pallas.triton import pallas_call_registration as registration
+    from jaxllm.benchmarks.step_kernels import tracing_for_gpu
 
     captured = []
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -63,15 +64,9 @@ def _capture(fn, args) -> str:
         captured.append(module.module.operation.get_asm(enable_debug_info=False))
         return module
 
-    saved = (registration.lowering.lower_jaxpr_to_triton_module,
-             registration.gpu_info_lib.get_gpu_info)
-    registration.lowering.lower_jaxpr_to_triton_module = keep
-    registration.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
-    try:
+    with tracing_for_gpu(), mock.patch.object(registration.lowering,
+                                              "lower_jaxpr_to_triton_module", keep):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    finally:
-        (registration.lowering.lower_jaxpr_to_triton_module,
-         registration.gpu_info_lib.get_gpu_info) = saved
     return captured[-1]
 
 
