@@ -114,6 +114,12 @@ class Fp8Activation:
         return self.q.shape
 
 
+def in_dtype(x: jax.Array | Fp8Activation, dtype) -> jax.Array | Fp8Activation:
+    """A layer's input in its dtype; activations already quantized (from that dtype) as they
+    are."""
+    return x if isinstance(x, Fp8Activation) else x.astype(dtype)
+
+
 def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
     """Per-output-channel FP8 (e4m3) of a kernel [.., K, N]: each column scaled so its
     largest magnitude is e4m3's largest value."""
@@ -274,9 +280,7 @@ class Linear(nn.Module):
             assert kernel.shape == shape, (kernel.shape, shape)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
-        if not isinstance(x, Fp8Activation):  # quantized from this dtype already
-            x = x.astype(self.dtype)
-        y = linear(x, kernel, mesh=self.mesh)
+        y = linear(in_dtype(x, self.dtype), kernel, mesh=self.mesh)
         if self.use_bias:
             y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
         return y

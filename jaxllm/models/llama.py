@@ -45,7 +45,7 @@ from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
 from jaxllm.layers.fp8_kernels import norm_quantizes, rmsnorm_quantized, swiglu_product_dtype
-from jaxllm.layers.linear import Fp8Activation
+from jaxllm.layers.linear import Fp8Activation, in_dtype
 from jaxllm.layers.mlp import swiglu_mlp
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
@@ -103,9 +103,7 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):  # [T, H] -> [T, H]
-        f = self.config.intermediate_size
-        if not isinstance(x, Fp8Activation):  # (quantized from this dtype already)
-            x = x.astype(self.dtype)
+        f, x = self.config.intermediate_size, in_dtype(x, self.dtype)
         if self.is_initializing():  # the projections' params: Linear's
             Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x)
             Linear(self.config.hidden_size, False, self.dtype, self.mesh, name="down_proj")(
