@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,7 +24,7 @@ from tiny_models import prompt_logits
 
 import jaxllm
 from jaxllm.layers import fp8_kernels, mlp
-from jaxllm.layers.linear import linear, quantize_fp8, quantize_tokens_fp8
+from jaxllm.layers.linear import fp8_product, linear, quantize_fp8, quantize_tokens_fp8
 from jaxllm.models.llama import RMSNorm
 
 TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
@@ -33,9 +32,11 @@ TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_b
 
 def assert_within_one_fp8_step(q, scale, want_q, want_scale):
     """A kernel that rounds once where the reference rounds each bf16 op (or sums in another
-    order): a value may land on the neighbouring bf16 (2^-8 apart), which moves its FP8 value
-    (2^-3 apart) by one step at most, and rarely."""
-    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=2**-7)
+    order): each of the reference's roundings moves a value by up to half a bf16 step (2^-9
+    relative, 2^-8 at worst where XLA's GPU passes round differently), and SwiGLU's reference
+    rounds three times (the scales, silu, the product: a row's scale 1.2% apart on the H200,
+    2026-12-05); that moves an FP8 value (2^-3 apart) by one step at most, and rarely."""
+    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=3 * 2**-8)
     got, want = np.asarray(q, np.float32), np.asarray(want_q, np.float32)
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))) - 3)
     assert np.all(np.abs(got - want) <= step), np.abs(got - want).max()
@@ -48,8 +49,7 @@ def _gate_up_product(tokens: int, f: int, dtype, seed: int = 0):
     x = jnp.asarray(rng.standard_normal((tokens, 32)) * rng.uniform(0.1, 5, (tokens, 1)), dtype)
     weight = quantize_fp8(jnp.asarray(rng.standard_normal((32, 2 * f)) * 0.2, dtype))
     xq, x_scale = quantize_tokens_fp8(x)
-    product = jax.lax.dot_general(xq, weight.qt, (((1,), (1,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+    product = fp8_product(xq, weight, dtype)
     return x, weight, product, x_scale, weight.scale
 
 
