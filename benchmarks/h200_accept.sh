@@ -35,7 +35,8 @@
 #   tests on the GPU); "t1fs": t1f through both FP8 activation kernels (the RMSNorm + and
 #   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels); "l8k": their decode steps at 1 / 8
 #   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
-#   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450)
+#   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
+#   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -183,6 +184,11 @@ only17() {
     picked l8 && step l8_fp8_small 40 330 bash -c "$PY $small -q fp8 --output-json $DIR/l8_w8a8.json; \
       XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP $PY $small -q fp8 \
       --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
+    # the tiled int4 kernel with one dot a step (never timed) against XLA's dequantize + dot
+    # at the AWQ engine's mid-size steps (XLA's path above 64 tokens: 1.6-2.1x bf16's steps)
+    picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+      --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
+      --output-json "$DIR/i1d_int4_one_dot.json"
     picked p2f && step p2f_profile_fp8_mixed 60 200 $PY -m jaxllm.benchmarks.step_profile \
       ${TIMELINE#-m jaxllm.benchmarks.step_timeline} --dataset-name sharegpt-like --quantization fp8 \
       --trace-steps 3:6 --host-profile-steps 40:60 --top 30 --out-dir "$DIR/p2f"
