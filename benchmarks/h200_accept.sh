@@ -36,7 +36,8 @@
 #   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels); "l8k": their decode steps at 1 / 8
 #   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
 #   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
-#   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens
+#   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
+#   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -115,6 +116,11 @@ only17() {
     picked a1 && step a1_prefill_anatomy 60 150 $PY -m jaxllm.benchmarks.prefill_anatomy \
       --no-kernel-profile --out-dir "$DIR/a1"
     rm -rf "$DIR"/a1/trace_*
+    # the weight as XLA's int4 type, its group scales fused into XLA's Triton GEMM (--s4),
+    # against the engine's paths; first in a chain, it also warms the machine up for t1
+    picked i4 && step i4_int4_s4 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+      --tokens 1,16,128,512,2048 --with-xla --s4 --copies 8 --iters 20 \
+      --output-json "$DIR/i4_int4_s4.json"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
