@@ -153,6 +153,10 @@ only17() {
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    # t1 again after t1f ("t1f t1b": bf16 second, so that the first-run effect above falls
+    # on FP8 and FP8 / bf16 is not inflated by it)
+    picked t1b && step t1b_sharegpt_after_fp8 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
+      --output-json "$DIR/t1b_sharegpt_after_fp8.json"
     # t1f with both FP8 activation kernels (jaxllm.layers.fp8_kernels): each RMSNorm with the
     # next projection's quantization, SwiGLU with the down projection's over the product dtype
     # m8 found faster (f32 when m8 did not run or XLA's passes won); l8k: their small decode
