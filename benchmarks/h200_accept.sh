@@ -119,7 +119,8 @@ only17() {
     # the weight as XLA's int4 type, its group scales fused into XLA's Triton GEMM (--s4),
     # against the engine's paths; first in a chain, it also warms the machine up for t1
     picked i4 && step i4_int4_s4 60 ${I4_LIMIT:-200} $PY -m jaxllm.benchmarks.int4_matmul \
-      --models 8b --shapes gate_up,down,qkv --tokens 128,512,1 --with-xla --s4 --copies 8 --iters 20 \
+      --models 8b --shapes gate_up,down,qkv --tokens ${I4_TOKENS:-128,512,1} --with-xla --s4 --copies 8 \
+      --iters 20 \
       --output-json "$DIR/i4_int4_s4.json"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
