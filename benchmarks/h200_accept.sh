@@ -116,12 +116,12 @@ only17() {
     picked a1 && step a1_prefill_anatomy 60 150 $PY -m jaxllm.benchmarks.prefill_anatomy \
       --no-kernel-profile --out-dir "$DIR/a1"
     rm -rf "$DIR"/a1/trace_*
-    # the weight as XLA's int4 type, its group scales fused into XLA's Triton GEMM (--s4),
+    # XLA's own int4 GEMM with the group scales fused in (--xla-int4, xla_int4.py),
     # against the engine's paths; first in a chain, it also warms the machine up for t1
-    picked i4 && step i4_int4_s4 60 ${I4_LIMIT:-200} $PY -m jaxllm.benchmarks.int4_matmul \
-      --models 8b --shapes gate_up,down,qkv --tokens ${I4_TOKENS:-128,512,1} --with-xla --s4 --copies 8 \
+    picked i4 && step i4_xla_int4 60 ${I4_LIMIT:-200} $PY -m jaxllm.benchmarks.int4_matmul \
+      --models 8b --shapes gate_up,down,qkv --tokens ${I4_TOKENS:-128,512,1} --with-xla --xla-int4 --copies 8 \
       --iters 20 \
-      --output-json "$DIR/i4_int4_s4.json"
+      --output-json "$DIR/i4_xla_int4.json"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \

@@ -127,8 +127,8 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
     variants = {"bf16": ("bf16", None)}
     if args.with_xla:
         variants["xla dequantize + dot"] = ("xla", None)
-    if args.s4:
-        variants["xla s4 subchannel"] = ("s4", None)
+    if args.xla_int4:
+        variants["xla int4 gemm"] = ("xla_int4", None)
     if unsupported(tokens, k, n, group) is None:
         variants["matmul kernel"] = ("matmul", None)
         if args.one_dot:
@@ -163,13 +163,14 @@ def _program(kind: str, config, group: int, interpret: bool):
         int4_gemv,
         int4_matmul,
         int4_matmul_reference,
+        int4_matmul_xla_int4,
     )
+    from jaxllm.pallas_kernels.quantized_matmul.xla_int4 import COMPILE_OPTIONS
 
     if kind == "bf16":
         return jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)]), None
-    if kind == "s4":
-        return _s4_program(group), None
-    impl = {"xla": int4_matmul_reference, "matmul": int4_matmul, "gemv": int4_gemv}[kind]
+    impl = {"xla": int4_matmul_reference, "matmul": int4_matmul, "gemv": int4_gemv,
+            "xla_int4": int4_matmul_xla_int4}[kind]
     kwargs = {"config": config} if config is not None else {}
     if kind != "xla" and interpret:
         kwargs["interpret"] = True
@@ -177,61 +178,27 @@ def _program(kind: str, config, group: int, interpret: bool):
     def one(x, q, s, z):
         return impl(x, q, s, z, group_size=group, **kwargs)
 
-    many = jax.jit(lambda xs, q, s, z: [one(*a) for a in zip(xs, q, s, z, strict=True)])
-    return many, jax.jit(one)
+    def many(xs, q, s, z):
+        return [one(*a) for a in zip(xs, q, s, z, strict=True)]
+
+    if kind == "xla_int4":  # XLA fuses the group scales into its GEMM only when told to
+        return _with_options(many, COMPILE_OPTIONS), _with_options(one, COMPILE_OPTIONS)
+    return jax.jit(many), jax.jit(one)
 
 
-# --s4: the weight as XLA's own int4 type, (q - 8) [K, N], its group scales fused into a Triton
-# GEMM's prologue by XLA (xla_gpu_experimental_enable_subchannel_dequantisation_fusion: no bf16
-# copy of the weight; deviceless compile for the H200, 2026-12-05), the zero points as a second
-# small dot over each group's sum of x: (q - z) s = (q - 8) s - (z - 8) s.
-S4_OPTIONS = {"xla_gpu_experimental_enable_subchannel_dequantisation_fusion": True}
-
-
-def s4_weight(qweight, scales, zeros):
-    """The engine's packed words as (w s4 [K, N], scales [G, N], (z - 8) s f32 [G, N])."""
-    import jax.numpy as jnp
-    from jaxllm.pallas_kernels.quantized_matmul import PER_WORD
-
-    words, n = qweight.shape
-    shifts = 4 * jnp.arange(PER_WORD, dtype=jnp.int32)[:, None]
-    q = (jnp.right_shift(qweight[:, None, :], shifts) & 0xF).reshape(words * PER_WORD, n)
-    zs = (zeros.astype(jnp.float32) - 8) * scales.astype(jnp.float32)
-    return (q - 8).astype(jnp.int4), scales, zs
-
-
-def s4_matmul(x, w, scales, zs):
-    import jax.numpy as jnp
-
-    k, n = w.shape
-    group = k // scales.shape[0]
-    deq = (w.reshape(k // group, group, n).astype(x.dtype) * scales[:, None, :]).reshape(k, n)
-    y = jnp.dot(x, deq, preferred_element_type=jnp.float32)
-    x_sums = x.reshape(*x.shape[:-1], k // group, group).sum(-1, dtype=jnp.float32)
-    return (y - jnp.dot(x_sums, zs)).astype(x.dtype)
-
-
-def _s4_program(group: int):
-    """(xs, qweights, scales, zeros) -> outputs, the weights repacked once (cached by id) and
-    the projections compiled with S4_OPTIONS."""
+def _with_options(fn, options: dict):
+    """``fn`` jitted and compiled with XLA ``options``, once per argument structure."""
     import jax
 
-    packed, compiled = {}, {}
+    compiled = {}
 
-    def many(xs, qs, ss, zs):
-        ws = []
-        for q, s, z in zip(qs, ss, zs, strict=True):
-            if id(q) not in packed:
-                packed[id(q)] = (q, jax.block_until_ready(jax.jit(s4_weight)(q, s, z)))
-            ws.append(packed[id(q)][1])
-        args = (xs, [w[0] for w in ws], [w[1] for w in ws], [w[2] for w in ws])
-        if len(xs) not in compiled:
-            compiled[len(xs)] = jax.jit(lambda xs, w, s, z: [
-                s4_matmul(*a) for a in zip(xs, w, s, z, strict=True)]).lower(*args).compile(
-                compiler_options=S4_OPTIONS)
-        return compiled[len(xs)](*args)
+    def call(*args):
+        key = jax.tree.structure(args)
+        if key not in compiled:
+            compiled[key] = jax.jit(fn).lower(*args).compile(compiler_options=options)
+        return compiled[key](*args)
 
-    return many
+    return call
 
 
 def _config_repr(config) -> str:
@@ -292,9 +259,7 @@ def run(args) -> dict:
                             fargs = (xs, w16)
                         else:
                             fargs = (xs, qw, scales, zeros)
-                            first = (xs[0], qw[0], scales[0], zeros[0])
-                            got = (one(*first) if one is not None
-                                   else many(*[[v] for v in first])[0]).astype(jnp.float32)
+                            got = one(xs[0], qw[0], scales[0], zeros[0]).astype(jnp.float32)
                             row["max_err"] = float(jnp.max(jnp.abs(got - expected)))
                             row["max_ref"] = float(jnp.max(jnp.abs(expected)))
                             row["rel_err"] = row["max_err"] / max(row["max_ref"], 1e-30)
@@ -369,9 +334,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gemv-before", action="store_true",
                         help="also the GEMV as it ran before the denormal loop (GEMV_BEFORE's "
                         "configs with the 2^23-magic loop), in the same process")
-    parser.add_argument("--s4", action="store_true",
-                        help="also the weight as XLA's int4 type, its group scales fused into "
-                        "a Triton GEMM by XLA (S4_OPTIONS), zero points as a second small dot")
+    parser.add_argument("--xla-int4", action="store_true",
+                        help="also XLA's own int4 GEMM with the group scales fused in "
+                        "(int4_matmul_xla_int4, JAXLLM_INT4_XLA_GEMM=int4 in the engine)")
     parser.add_argument("--one-dot", action="store_true",
                         help="also the tiled kernel with one dot of K = block_k a step "
                         "(Int4MatmulConfig.one_dot)")

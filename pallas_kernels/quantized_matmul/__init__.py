@@ -4,14 +4,16 @@
 (more tokens: tensor-core dots over tiles) are Pallas kernels for the Triton GPU backend that
 dequantize in registers (pass ``interpret=True`` to run them on CPU);
 :func:`int4_matmul_reference`, with the same signature, dequantizes the whole weight in XLA and
-is the spec. :func:`gemv_unsupported` and :func:`unsupported` say why a shape cannot go through
-either kernel (callers then use the reference).
+is the spec; :func:`int4_matmul_xla_int4` is the same product for many tokens through XLA's own
+int4 GEMM (no bf16 copy of the weight). :func:`gemv_unsupported` and :func:`unsupported` say
+why a shape cannot go through either kernel (callers then use the reference or XLA's GEMM).
 """
 
 from .gemv import Int4GemvConfig, gemv_config, gemv_unsupported, int4_gemv
 from .kernel import Int4MatmulConfig, int4_matmul, unsupported
 from .reference import PER_WORD, dequantize_int4, int4_matmul_reference
+from .xla_int4 import int4_matmul_xla_int4
 
 __all__ = ["PER_WORD", "Int4GemvConfig", "Int4MatmulConfig", "dequantize_int4", "gemv_config",
            "gemv_unsupported", "int4_gemv", "int4_matmul", "int4_matmul_reference",
-           "unsupported"]
+           "int4_matmul_xla_int4", "unsupported"]
