@@ -10,16 +10,22 @@ import jax.numpy as jnp
 PER_WORD = 8  # 4-bit values per int32 word
 
 
-def dequantize_int4(qweight: jax.Array, scales: jax.Array, zeros: jax.Array,
-                    dtype=jnp.float32) -> jax.Array:
-    """W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n], with q packed along K:
-    qweight i32[.., K/8, N], row 8r+j in bits 4j..4j+3 of word row r."""
+def unpack_int4(qweight: jax.Array) -> jax.Array:
+    """The 4-bit values q i32[.., K, N] (0-15) of words packed along K: qweight i32[.., K/8,
+    N], row 8r+j in bits 4j..4j+3 of word row r."""
     *lead, words, n = qweight.shape
-    k, groups = words * PER_WORD, scales.shape[-2]
     shifts = 4 * jnp.arange(PER_WORD, dtype=jnp.int32)[:, None]  # [8, 1]
     # Arithmetic shift of a negative word drags sign bits in; the mask drops them.
     q = jnp.right_shift(qweight[..., :, None, :], shifts) & 0xF  # [.., K/8, 8, N]
-    q = q.reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
+    return q.reshape(*lead, words * PER_WORD, n)
+
+
+def dequantize_int4(qweight: jax.Array, scales: jax.Array, zeros: jax.Array,
+                    dtype=jnp.float32) -> jax.Array:
+    """W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n], q as :func:`unpack_int4`."""
+    *lead, words, n = qweight.shape
+    k, groups = words * PER_WORD, scales.shape[-2]
+    q = unpack_int4(qweight).reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
     w = (q - zeros[..., :, None, :].astype(jnp.int32)).astype(dtype) * \
         scales[..., :, None, :].astype(dtype)
     return w.reshape(*lead, k, n)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .reference import PER_WORD
+from .reference import PER_WORD, unpack_int4
 
 # What lets XLA's GPU compiler fuse the group scales into the GEMM (an experimental option of
 # XLA; jax 0.11.2). Other backends ignore it.
@@ -38,10 +38,7 @@ CENTRE = 8  # the unsigned nibbles' midpoint: q - 8 fits int4 [-8, 7]
 
 def centred_nibbles(qweight: jax.Array) -> jax.Array:
     """Packed words i32[K/8, N] (row 8r + j in bits 4j..4j+3) as int4 [K, N]: q - 8."""
-    words, n = qweight.shape
-    shifts = 4 * jnp.arange(PER_WORD, dtype=jnp.int32)[:, None]  # [8, 1]
-    q = jnp.right_shift(qweight[:, None, :], shifts) & 0xF  # [K/8, 8, N]
-    return (q.reshape(words * PER_WORD, n) - CENTRE).astype(jnp.int4)
+    return (unpack_int4(qweight) - CENTRE).astype(jnp.int4)
 
 
 def int4_matmul_xla_int4(
