@@ -336,7 +336,7 @@ def main(argv=None) -> None:
                         "configs with the 2^23-magic loop), in the same process")
     parser.add_argument("--xla-int4", action="store_true",
                         help="also XLA's own int4 GEMM with the group scales fused in "
-                        "(int4_matmul_xla_int4, JAXLLM_INT4_XLA_GEMM=int4 in the engine)")
+                        "(pallas_kernels/quantized_matmul/xla_int4.py; not in the engine)")
     parser.add_argument("--one-dot", action="store_true",
                         help="also the tiled kernel with one dot of K = block_k a step "
                         "(Int4MatmulConfig.one_dot)")

@@ -1,6 +1,5 @@
 """XLA's own int4 GEMM for 4-bit projections (pallas_kernels/quantized_matmul/xla_int4.py):
-the same product as the reference, within the rounding of its centred weights, and how the
-engine picks it (JAXLLM_INT4_XLA_GEMM, the forward's compile options)."""
+the same product as the reference, within the rounding of its centred weights."""
 
 from __future__ import annotations
 
@@ -11,12 +10,6 @@ import pytest
 from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference, int4_matmul_xla_int4
 from jaxllm.pallas_kernels.quantized_matmul.xla_int4 import COMPILE_OPTIONS, centred_nibbles
 from test_int4_kernel import int4_weight
-from test_quant_int4 import write_tiny
-
-import jaxllm
-from jaxllm.layers.linear import INT4_GEMM_ENV, int4_xla_gemm, linear
-from jaxllm.quantization import QuantizationConfig
-from jaxllm.quantization import compile_options as co
 
 K, N = 256, 128
 
@@ -70,56 +63,10 @@ def test_bad_group_sizes_and_stacked_weights_are_named():
         int4_matmul_xla_int4(x, w.qweight[None], w.scales[None], w.zeros[None], group_size=32)
 
 
-def test_linear_takes_xlas_int4_gemm_only_when_the_environment_says(monkeypatch):
-    w = int4_weight(K, N, 128, jnp.bfloat16, seed=3)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((80, K)), jnp.bfloat16)
-    parts = (w.qweight, w.scales, w.zeros)
-    monkeypatch.delenv(INT4_GEMM_ENV, raising=False)
-    np.testing.assert_array_equal(  # CPU: the reference, as before the option existed
-        np.asarray(linear(x, w), np.float32),
-        np.asarray(int4_matmul_reference(x, *parts, group_size=128), np.float32))
-    monkeypatch.setenv(INT4_GEMM_ENV, "int4")
-    jaxpr = str(jax.make_jaxpr(linear)(x, w))
-    assert "i4[256,128]" in jaxpr, jaxpr
-    np.testing.assert_array_equal(
-        np.asarray(linear(x, w), np.float32),
-        np.asarray(int4_matmul_xla_int4(x, *parts, group_size=128), np.float32))
-
-
-def test_the_setting_and_the_compile_options_it_brings():
-    assert int4_xla_gemm({}) == "dequantize"
-    assert int4_xla_gemm({INT4_GEMM_ENV: " int4 "}) == "int4"
-    with pytest.raises(ValueError, match=r"JAXLLM_INT4_XLA_GEMM='s4' must be one of"):
-        int4_xla_gemm({INT4_GEMM_ENV: "s4"})
-    awq = QuantizationConfig("awq", bits=4, group_size=128)
-    gptq = QuantizationConfig("gptq", bits=4, group_size=128)
-    assert co.forward_compiler_options(awq, {}) == {}
-    for method in (awq, gptq):
-        assert co.forward_compiler_options(method, {INT4_GEMM_ENV: "int4"}) == COMPILE_OPTIONS
-    assert co.forward_compiler_options(None, {INT4_GEMM_ENV: "int4"}) == {}
-    # a CPU compile takes the GPU option (the CPU machine's tests run the engine with it)
-    compiled = jax.jit(lambda a: a + 1).lower(jnp.ones(2)).compile(
-        compiler_options=COMPILE_OPTIONS)
-    np.testing.assert_array_equal(np.asarray(compiled(jnp.ones(2))), [2, 2])
-
-
-def test_the_engine_refuses_a_bad_setting_before_loading(monkeypatch):
-    monkeypatch.setenv(INT4_GEMM_ENV, "fast")
-    with pytest.raises(ValueError, match="JAXLLM_INT4_XLA_GEMM='fast'"):
-        jaxllm.LLM("/nonexistent/model", progress=False)
-
-
-def test_a_tiny_awq_model_generates_through_xlas_int4_gemm(tmp_path, monkeypatch):
-    """The engine's forward, compiled with the option, on the CPU backend (every 4-bit
-    projection takes XLA's path there): the same greedy tokens as through the reference."""
-    path = write_tiny(tmp_path, "awq")
-    tokens = {}
-    for setting in ("dequantize", "int4"):
-        monkeypatch.setenv(INT4_GEMM_ENV, setting)
-        llm = jaxllm.LLM(path, quantization="awq", max_num_seqs=2, max_model_len=64,
-                         enforce_eager=True, compilation_cache_dir=None, progress=False)
-        out = llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]],
-                           sampling_params=jaxllm.SamplingParams(temperature=0, max_tokens=4),
-                           use_tqdm=False)
-        tokens[setting] = [o.outputs[0].token_ids for o in out]
-    assert tokens["int4"] == tokens["dequantize"] and len(tokens["int4"][0]) == 4
+def test_a_cpu_compile_takes_the_gpu_option():
+    """int4_matmul's --xla-int4 compiles with it on every backend."""
+    x = jnp.ones((3, K), jnp.bfloat16)
+    w = int4_weight(K, N, 128, jnp.bfloat16)
+    compiled = jax.jit(lambda *a: int4_matmul_xla_int4(*a, group_size=128)).lower(
+        x, w.qweight, w.scales, w.zeros).compile(compiler_options=COMPILE_OPTIONS)
+    assert_close_to_reference(compiled(x, w.qweight, w.scales, w.zeros), x, w)

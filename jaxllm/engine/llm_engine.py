@@ -42,7 +42,6 @@ from jaxllm.engine.stats import EngineStats
 from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
 from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.layers import fp8_kernels
-from jaxllm.layers.linear import int4_xla_gemm
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling import needs_penalties
@@ -72,7 +71,6 @@ class LLMEngine(StepLauncher):
                                                                     jax.default_backend()))
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
-        int4_xla_gemm()  # and JAXLLM_INT4_XLA_GEMM
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,

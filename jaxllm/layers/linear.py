@@ -25,14 +25,11 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
   both dequantize in registers (decode reads a quarter of bf16's bytes). Elsewhere, for more
   tokens, under tensor parallelism, or for a shape the kernels cannot tile, XLA dequantizes
-  the whole weight and dots it (the kernels' reference: CPU results are that path's), or,
-  with ``JAXLLM_INT4_XLA_GEMM=int4``, runs its own int4 GEMM with the group scales fused in
-  (``xla_int4.py``; no bf16 copy of the weight).
+  the whole weight and dots it (the kernels' reference: CPU results are that path's).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import flax.linen as nn
@@ -49,7 +46,6 @@ from jaxllm.pallas_kernels.quantized_matmul import (
     int4_gemv,
     int4_matmul,
     int4_matmul_reference,
-    int4_matmul_xla_int4,
     unsupported,
 )
 from jaxllm.parallel.mesh import tensor_parallel_size
@@ -173,22 +169,6 @@ INT4_GEMV_MAX_TOKENS = 16
 INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
-# Where a 4-bit projection takes XLA's path (more tokens than the kernels take, or no GPU):
-# "dequantize" the whole weight then dot it (the kernels' reference), or "int4", XLA's own
-# int4 GEMM with the group scales fused in (pallas_kernels/quantized_matmul/xla_int4.py).
-# NOTE: "dequantize" by default until the engine's steps are timed both ways on a GPU.
-INT4_GEMM_ENV = "JAXLLM_INT4_XLA_GEMM"
-INT4_GEMMS = ("dequantize", "int4")
-
-
-def int4_xla_gemm(environ=os.environ) -> str:
-    """``JAXLLM_INT4_XLA_GEMM``'s value ("dequantize" when unset); a clear error for another."""
-    value = environ.get(INT4_GEMM_ENV, "").strip() or "dequantize"
-    if value not in INT4_GEMMS:
-        raise ValueError(f"{INT4_GEMM_ENV}={value!r} must be one of {list(INT4_GEMMS)}")
-    return value
-
-
 def int4_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
                 mesh: Mesh | None = None) -> str | None:
     """Static: which Pallas kernel :func:`linear` runs this 4-bit projection through: "gemv",
@@ -278,10 +258,7 @@ def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
             return impl(*parts, group_size=kernel.group_size,
                         interpret=int4_backend == "pallas_interpret")
         x, weight = _after_input(x, parts[1:])
-        xla = int4_matmul_reference
-        if kernel.qweight.ndim == 2 and int4_xla_gemm() == "int4":
-            xla = int4_matmul_xla_int4
-        return xla(x, *weight, group_size=kernel.group_size)
+        return int4_matmul_reference(x, *weight, group_size=kernel.group_size)
     if isinstance(kernel, Int8Weight):
         x, q = _after_input(x, kernel.q)
         return jnp.dot(x, q.astype(x.dtype)) * kernel.scale.astype(x.dtype)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import os
 
-from jaxllm.layers.linear import int4_xla_gemm
-from jaxllm.pallas_kernels.quantized_matmul.xla_int4 import COMPILE_OPTIONS as INT4_GEMM_OPTIONS
-from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
+from jaxllm.quantization.config import QuantizationConfig
 
 AUTOTUNE_ENV = "JAXLLM_FP8_AUTOTUNE_LEVEL"
 # NOTE: level 1 measured on the H200 (benchmarks/fp8_compile_time.py, RESULTS.md "Issue 16:
@@ -29,11 +27,9 @@ FP8_AUTOTUNE_LEVEL: int | None = 1
 
 
 def forward_compiler_options(quantization: QuantizationConfig | None,
-                             environ=os.environ) -> dict[str, int | bool]:
+                             environ=os.environ) -> dict[str, int]:
     """The XLA options to compile the forward of a model with this quantization (empty: XLA's
     defaults)."""
-    if quantization is not None and quantization.method in INT4_METHODS:
-        return dict(INT4_GEMM_OPTIONS) if int4_xla_gemm(environ) == "int4" else {}
     if quantization is None or quantization.method != "fp8":
         return {}
     if "xla_gpu_autotune_level" in environ.get("XLA_FLAGS", ""):

@@ -21,6 +21,12 @@ K N / 2 bytes, twice), the GEMM reading them once, and four small ops (x's group
 zero terms, their dot, the subtraction), against the reference's 2 K N bytes written and read.
 Same signature as :func:`~.reference.int4_matmul_reference`; results within bf16 rounding of
 it, not equal (the product is rounded in another order).
+
+NOTE: not in the engine. Timed on the H200 (``int4_matmul --xla-int4``, RESULTS.md,
+2026-12-05) it beat the reference only for gate_up at 128 tokens (192 against 213 us) and lost
+everywhere else (down at 128 tokens 162 against 71 us; gate_up at 512 435 against 298): the
+six extra launches and the float32 [tokens, N] output and correction cost more than the bf16
+copy they save. Kept, with its test, for the benchmark's comparison as XLA's fusion evolves.
 """
 
 from __future__ import annotations
