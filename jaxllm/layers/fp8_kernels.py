@@ -1,9 +1,11 @@
 """Which of the FP8 activation kernels (``pallas_kernels/activation_quant``) the model runs in
 place of XLA's passes before an FP8 W8A8 projection, as the environment picks them.
 
-Both are off by default until timed on a GPU in the engine (RESULTS.md): a Pallas call
-replaces two or three of XLA's fusions a norm or an MLP (``benchmarks/step_kernels.py`` counts
-them), but whether it costs less to launch than they do is the GPU's to say.
+Both are off by default (RESULTS.md): a Pallas call replaces two or three of XLA's fusions a
+norm or an MLP (``benchmarks/step_kernels.py`` counts them), but on the H200 the SwiGLU kernel
+was slower than XLA's passes over the FP8 GEMM's bf16 product at 256-8,192 tokens (2026-12-05,
+``benchmarks/fp8_mlp.py``); the norm kernel and both at the few rows of decode steps, where
+their fewer launches may win, are untimed.
 
 - ``JAXLLM_FP8_SWIGLU_KERNEL`` = ``off`` | ``f32`` | ``bf16``: SwiGLU and the down
   projection's quantization in one kernel over gate_up's product, written by the FP8 GEMM in
