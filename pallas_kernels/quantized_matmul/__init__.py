@@ -6,7 +6,7 @@ dequantize in registers (pass ``interpret=True`` to run them on CPU);
 :func:`int4_matmul_reference`, with the same signature, dequantizes the whole weight in XLA and
 is the spec; :func:`int4_matmul_xla_int4` is the same product for many tokens through XLA's own
 int4 GEMM (no bf16 copy of the weight). :func:`gemv_unsupported` and :func:`unsupported` say
-why a shape cannot go through either kernel (callers then use the reference or XLA's GEMM).
+why a shape cannot go through either kernel (callers then use the reference).
 """
 
 from .gemv import Int4GemvConfig, gemv_config, gemv_unsupported, int4_gemv
