@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX
+from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
     dequantize_int4,
@@ -203,8 +203,7 @@ def int4_uses_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
 def quantize_tokens_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Each token's activations [.., K] in ``float8_e4m3fn`` with their own scale (absmax /
     448): ``(xq [.., K], x_scale f32 [.., 1])``, x ~= xq x_scale."""
-    x_scale = _absmax_scale(x, -1, FP8_MAX)[..., None]
-    return jnp.clip(x.astype(jnp.float32) / x_scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), x_scale
+    return quantize_rows_fp8(x)
 
 
 def fp8_product(xq: jax.Array, kernel: Fp8Weight, out_dtype=jnp.float32) -> jax.Array:

@@ -4,12 +4,13 @@ from . import rmsnorm_fp8, swiglu_fp8
 from .reference import (
     FP8_DTYPE,
     FP8_MAX,
+    quantize_rows_fp8,
     rmsnorm_quantize_fp8_reference,
     swiglu_quantize_fp8_reference,
 )
 from .rmsnorm_fp8 import rmsnorm_quantize_fp8
 from .swiglu_fp8 import swiglu_quantize_fp8, unsupported
 
-__all__ = ["FP8_DTYPE", "FP8_MAX", "rmsnorm_fp8", "rmsnorm_quantize_fp8",
+__all__ = ["FP8_DTYPE", "FP8_MAX", "quantize_rows_fp8", "rmsnorm_fp8", "rmsnorm_quantize_fp8",
            "rmsnorm_quantize_fp8_reference", "swiglu_fp8", "swiglu_quantize_fp8",
            "swiglu_quantize_fp8_reference", "unsupported"]

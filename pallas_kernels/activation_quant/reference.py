@@ -17,6 +17,16 @@ FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
 
+def quantize_rows_fp8(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row of ``h`` [.., K] in ``float8_e4m3fn`` with its own scale (absmax / 448, 1 for an
+    all-zero row), computed in float32: ``(q [.., K], scale f32 [.., 1])``, h ~= q x scale. The
+    model's per-token activation quantization (``jaxllm.layers.linear.quantize_tokens_fp8``)."""
+    h = h.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
+    return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+
+
 def swiglu_quantize_fp8_reference(
     product: jax.Array,  # [T, 2F] the gate_up FP8 GEMM's unscaled product (gate_i, up_i pairs)
     x_scale: jax.Array,  # f32 [T, 1]: gate_up's per-token activation scales
@@ -29,10 +39,7 @@ def swiglu_quantize_fp8_reference(
     del interpret
     y = (product.astype(jnp.float32) * x_scale * w_scale).astype(dtype)
     pairs = y.reshape(*y.shape[:-1], -1, 2)
-    h = (nn.silu(pairs[..., 0]) * pairs[..., 1]).astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-    return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+    return quantize_rows_fp8(nn.silu(pairs[..., 0]) * pairs[..., 1])
 
 
 def rmsnorm_quantize_fp8_reference(
@@ -47,7 +54,4 @@ def rmsnorm_quantize_fp8_reference(
     del interpret
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    h = (weight * xf.astype(x.dtype)).astype(jnp.float32)
-    absmax = jnp.max(jnp.abs(h), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-    return jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scale
+    return quantize_rows_fp8(weight * xf.astype(x.dtype))
