@@ -37,7 +37,8 @@
 #   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
 #   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
 #   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
-#   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths
+#   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths;
+#   "cb": XLA's graph updates at batch 1 / 64, bf16 and AWQ, the batch at a new or one address
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -122,6 +123,12 @@ only17() {
       --models 8b --shapes gate_up,down,qkv --tokens ${I4_TOKENS:-128,512,1} --with-xla --xla-int4 --copies 8 \
       --iters 20 \
       --output-json "$DIR/i4_xla_int4.json"
+    # XLA's graphs (command buffers) at batch 1 and 64, bf16 and AWQ: how often each is
+    # re-recorded before it runs and how many of its allocations moved, with the step's batch
+    # newly transferred every call (as the engine's) and at one address (launch_anatomy's
+    # --batch-buffer same): whether fixed input addresses would take that off the launch
+    export -f graph_updates
+    picked cb && step cb_graph_updates 90 300 bash -c "DIR=$DIR PY=$PY graph_updates"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
@@ -221,6 +228,22 @@ only17() {
   return 0
 }
 
+# launch_anatomy under XLA's command-buffer log, one process per weight format; the log is
+# summarized (command_buffer_log) and only its last lines kept
+graph_updates() {
+  local q
+  for q in bf16 awq; do
+    local quant="" log="$DIR/cb_$q.vlog"
+    [ "$q" = awq ] && quant="--quantization awq"
+    # shellcheck disable=SC2086
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+      jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1,64x1 --iters 30 \
+      --batch-buffer fresh,same $quant --output-json "$DIR/cb_launch_$q.json" 2> "$log"
+    $PY -m jaxllm.benchmarks.command_buffer_log "$log" --output-json "$DIR/cb_graphs_$q.json"
+    tail -n 40 "$log" > "$DIR/cb_$q.vlog_tail" && rm -f "$log"
+  done
+}
+
 summary() {
   grep -h -A 12 "^NVIDIA\|^H200\|copy .* TB/s" "$DIR"/k*.log 2>/dev/null | cut -c1-160 | head -30
   grep -h "b2b\|roofline" "$DIR"/l*.log 2>/dev/null | cut -c1-200 | head -20
@@ -232,6 +255,7 @@ summary() {
   grep -h "^decode\|^mixed" "$DIR"/t1f*.log 2>/dev/null | cut -c1-200
   grep -h "b2b\|roofline" "$DIR"/l8k*.log 2>/dev/null | cut -c1-200
   grep -h "ready" "$DIR"/w5*.log 2>/dev/null | cut -c1-250
+  grep -h "^unrolled\|^---\|^graph executions" "$DIR"/cb_*.log 2>/dev/null | cut -c1-200
 }
 
 if [ "${BASH_SOURCE[0]}" = "$0" ]; then

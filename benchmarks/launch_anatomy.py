@@ -19,6 +19,12 @@ host's and the device's cost). Every call gets a fresh batch buffer, as an engin
 - ``args-only``: an executable taking the unrolled step's arguments and doing one tiny op
   (the cost of handing ~260 device buffers to an executable, nothing else).
 
+``--batch-buffer fresh,same`` times each variant also with the same batch buffer every call
+(the step's input at one address: XLA re-records no graph for it), ``--quantization awq`` the
+AWQ model. Before each timed case a line "### VARIANT BUCKET BUFFER" goes to stderr, so that a
+run under ``TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3`` gives
+``command_buffer_log`` XLA's graph updates case by case.
+
 Printed per variant and bucket: the HLO's fusion and custom-call counts, launch and step ms
 (medians); the JSON holds every figure.
 
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 import time
 
 import numpy as np
@@ -43,7 +50,8 @@ def _step(model, seqs: int, context: int, block_size: int, attention: str):
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
-    from jaxllm.sampling import build_sampling_metadata, sample
+    from jaxllm.sampler_rows import build_sampling_metadata
+    from jaxllm.sampling import sample
 
     cfg = model.config
     per_seq = -(-(context + 1) // block_size)
@@ -72,16 +80,18 @@ def _args_only():
     return jax.jit(touch)
 
 
-def _time(exe, args: list, iters: int, donate: bool) -> dict:
+def _time(exe, args: list, iters: int, donate: bool, fresh_batches: bool = True) -> dict:
     """Median launch and step ms of calls made one at a time, the launch and per-step ms of
     calls made back to back (as the engine's async steps are), and the first call's tokens.
     ``args[1]`` (the pool) is replaced by the donated output; every call gets a freshly
     transferred batch, as every engine step does (a new buffer address each call, which
-    XLA's command buffers must be updated for)."""
+    XLA's command buffers must be updated for), or with ``fresh_batches=False`` the same
+    batch buffer every call (what a step input kept at a fixed address would give)."""
     import jax
 
     host_batch = jax.device_get(args[2])
-    fresh = [jax.device_put(host_batch) for _ in range(2 * iters + 3)]
+    fresh = ([jax.device_put(host_batch) for _ in range(2 * iters + 3)] if fresh_batches
+             else [args[2]] * (2 * iters + 3))
     launches, steps, first = [], [], None
     for i in range(iters + 3):
         args[2] = fresh.pop()
@@ -131,8 +141,11 @@ def run(args) -> dict:
     import jaxllm
 
     result = {"commit": source_commit(), "model": args.model, "context_len": args.context_len,
+              "quantization": args.quantization,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "devices": [str(d) for d in jax.devices()], "rows": []}
+    if not set(args.batch_buffer.split(",")) <= {"fresh", "same"}:
+        raise ValueError(f"--batch-buffer: {args.batch_buffer!r} is not fresh and/or same")
     variants = args.variants.split(",")
     for name in variants:
         if name not in VARIANTS:
@@ -144,7 +157,7 @@ def run(args) -> dict:
         if not names:
             continue
         model = jaxllm.load_model(args.model, dtype="bfloat16", load_format="dummy",
-                                  unroll_layers=unrolled)
+                                  unroll_layers=unrolled, quantization=args.quantization)
         jax.block_until_ready(model.params)
         for bucket in args.buckets.split(","):
             seqs = int(bucket.split("x")[0])
@@ -154,16 +167,20 @@ def run(args) -> dict:
                                         attention)
                 call_args = [model.params, pool, batch]
                 exe = (_args_only() if name == "args-only" else fn).lower(*call_args).compile()
-                timed = _time(exe, call_args, args.iters, name != "args-only")
-                row = {"variant": name, "bucket": bucket, **timed,
-                       "num_args": len(jax.tree.leaves(call_args)), **_hlo_counts(exe)}
-                result["rows"].append(row)
-                write_json(result, args.output_json)
-                print(f"{name:<24}{bucket:>8}{row['num_args']:>6}{row['fusions']:>9}"
-                      f"{row['custom_calls']:>7}{row['whiles']:>8}{row['launch_ms']:>11.3f}"
-                      f"{row['step_ms']:>10.3f}{row['back_to_back_launch_ms']:>12.3f}"
-                      f"{row['back_to_back_step_ms']:>10.3f}",
-                      flush=True)
+                for buffer in args.batch_buffer.split(","):
+                    # a section of XLA's log for command_buffer_log (TF_CPP_VMODULE runs)
+                    print(f"### {name} {bucket} {buffer}", file=sys.stderr, flush=True)
+                    timed = _time(exe, call_args, args.iters, name != "args-only",
+                                  fresh_batches=buffer == "fresh")
+                    row = {"variant": name, "bucket": bucket, "batch_buffer": buffer, **timed,
+                           "num_args": len(jax.tree.leaves(call_args)), **_hlo_counts(exe)}
+                    result["rows"].append(row)
+                    write_json(result, args.output_json)
+                    print(f"{name + ' ' + buffer:<24}{bucket:>8}{row['num_args']:>6}"
+                          f"{row['fusions']:>9}{row['custom_calls']:>7}{row['whiles']:>8}"
+                          f"{row['launch_ms']:>11.3f}{row['step_ms']:>10.3f}"
+                          f"{row['back_to_back_launch_ms']:>12.3f}"
+                          f"{row['back_to_back_step_ms']:>10.3f}", flush=True)
                 del call_args, pool, exe
         del model
     return result
@@ -178,6 +195,10 @@ def main(argv=None) -> None:
     parser.add_argument("--context-len", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--quantization", default=None, help="as the engine's (awq, fp8, ...)")
+    parser.add_argument("--batch-buffer", default="fresh",
+                        help="comma-separated: fresh (a newly transferred batch every call, as "
+                             "the engine's steps), same (the same device buffer every call)")
     parser.add_argument("--output-json", default=None)
     run(parser.parse_args(argv))
 

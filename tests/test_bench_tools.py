@@ -256,3 +256,40 @@ def test_kernel_sass_captures_the_fp8_activation_kernels():
         assert "tt.func" in ttir and "f8E4M3FN" in ttir and dtype in ttir, kernel
         assert (warps, stages) == (4, 1)
 
+
+
+def test_command_buffer_log_counts_xlas_graph_updates(tmp_path):
+    from jaxllm.benchmarks.command_buffer_log import main
+
+    # XLA's own messages (command_buffer_thunk.cc), in both its older and newer wording
+    log = tmp_path / "run.vlog"
+    log.write_text("\n".join([
+        "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
+        "### unrolled 1x1 same",
+        "I1205 command_buffer_thunk.cc:260] Create/Update command buffer by recoding command "
+        "buffer cmd sequence after 0 executions since last update; num_commands=40; "
+        "updated_allocs=9; is_first_record=1; needs_update=0",  # the first record: not an update
+        "I1205 command_buffer_thunk.cc:280] Recorded command buffer in 900 μs; num_commands=40",
+        "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
+        "I1205 command_buffer_thunk.cc:260] Update command buffer on device #0 by recoding "
+        "command buffer cmd sequence after 1 executions since last update; num_commands=40; "
+        "updated_allocs=3",
+        "I1205 command_buffer_thunk.cc:280] Updated command buffer in 120 μs; num_commands=40",
+        "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
+        "I1205 command_buffer_thunk.cc:260] Create/Update command buffer by recoding command "
+        "buffer cmd sequence after 1 executions since last update; num_commands=7; "
+        "updated_allocs=1; is_first_record=0; needs_update=1",
+        "I1205 command_buffer_thunk.cc:280] Updated command buffer in 30 μs; num_commands=7",
+        "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
+        "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=2",
+        "I1205 command_buffer_thunk.cc:330] Evicted 2 command buffer thunk command buffers",
+        "an unrelated line",
+    ]))
+    main([str(log), "--output-json", str(tmp_path / "s.json")])
+    sections = json.loads((tmp_path / "s.json").read_text())["sections"]
+    assert list(sections) == ["", "unrolled 1x1 same"] and sections[""]["executes"] == 1
+    s = sections["unrolled 1x1 same"]
+    assert (s["executes"], s["updates"], s["update_us"], s["evicted"]) == (4, 2, 150, 2)
+    assert s["updated_allocs"] == {"1": 1, "3": 1} and s["update_us_per_execute"] == 37.5
+    assert s["by_size"] == {"7": {"updates": 1, "update_us": 30},
+                            "40": {"updates": 1, "update_us": 120}}
