@@ -51,7 +51,8 @@ def _step(model, seqs: int, new_tokens: int, context: int, block_size: int):
     import jax
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
-    from jaxllm.sampling import build_sampling_metadata, sample
+    from jaxllm.sampler_rows import build_sampling_metadata
+    from jaxllm.sampling import sample
 
     cfg = model.config
     per_seq = -(-(context + new_tokens) // block_size)

@@ -127,7 +127,8 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
 
     from jaxllm import SeqChunk, make_forward, new_kv_pool, pack_batch
     from jaxllm.quantization.compile_options import forward_compiler_options
-    from jaxllm.sampling import build_sampling_metadata, sample
+    from jaxllm.sampler_rows import build_sampling_metadata
+    from jaxllm.sampling import sample
 
     cfg = model.config
     blocks_per_seq = -(-(context + 1) // block_size)

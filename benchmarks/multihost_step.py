@@ -38,7 +38,7 @@ import numpy as np
 from jaxllm.batch import SeqChunks, pack_batch
 from jaxllm.engine.buckets import StepShape
 from jaxllm.engine.multihost import _HEADER, _read_exact, frame
-from jaxllm.sampling import SamplerInput, build_sampling_metadata
+from jaxllm.sampler_rows import SamplerInput, build_sampling_metadata
 from jaxllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16

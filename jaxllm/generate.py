@@ -22,7 +22,8 @@ from jaxllm.kv_pool import new_kv_pool
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import has_per_layer_params, make_forward
 from jaxllm.parallel import mesh_of
-from jaxllm.sampling import SampleVariant, SamplingMetadata, sample, scalar_variant
+from jaxllm.sampler_rows import SampleVariant, scalar_variant
+from jaxllm.sampling import SamplingMetadata, sample
 
 
 class GenerateOutput(NamedTuple):

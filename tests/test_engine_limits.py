@@ -70,7 +70,7 @@ def test_llm_and_servers_pass_their_usage_to_the_engine(monkeypatch):
 
     import jaxllm.serve.cli as serve_cli
 
-    import jaxllm.engine.core_process as core_process
+    import jaxllm.engine.engine_core as engine_core
     import jaxllm.engine.llm_engine as llm_engine
     from jaxllm import LLM
     from jaxllm.loading import LoadedModel
@@ -108,5 +108,5 @@ def test_llm_and_servers_pass_their_usage_to_the_engine(monkeypatch):
             seen.append(message[0])
 
     with pytest.raises(SystemExit):
-        core_process.run_engine_core(EngineConfig(), "", [], 0, Pipe(), logging.INFO)
+        engine_core.run_engine_core(EngineConfig(), "", [], 0, Pipe(), logging.INFO)
     assert seen[1:] == ["api_server", "api_server", "error"]

@@ -8,17 +8,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.sampling import (
+from jaxllm.sampler_rows import (
     SamplerInput,
     SampleVariant,
-    apply_penalties,
     build_sampling_metadata,
     needs_penalties,
     penalty_width,
-    sample,
     sample_variant,
     scalar_variant,
 )
+from jaxllm.sampling import apply_penalties, sample
 from jaxllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -6,12 +6,7 @@ import numpy as np
 from jaxllm.engine.sampler_table import SamplerTable
 from jaxllm.engine.scheduler_output import ScheduledSample
 from jaxllm.engine.sequence import Sequence, SequenceGroup
-from jaxllm.sampling import (
-    SamplerInput,
-    build_sampling_metadata,
-    penalty_width,
-    sample_variant,
-)
+from jaxllm.sampler_rows import SamplerInput, build_sampling_metadata, penalty_width, sample_variant
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 EOS = (1,)

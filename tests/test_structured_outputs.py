@@ -22,7 +22,8 @@ from tiny_models import TINY, random_params
 
 from jaxllm import ModelConfig, SamplingParams
 from jaxllm.loading import LoadedModel
-from jaxllm.sampling import build_sampling_metadata, sample, unpack_bitmask
+from jaxllm.sampler_rows import build_sampling_metadata
+from jaxllm.sampling import sample, unpack_bitmask
 from jaxllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
 

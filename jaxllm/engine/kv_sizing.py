@@ -18,7 +18,8 @@ from jaxllm.kv_pool import kv_block_bytes, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
 from jaxllm.parallel import kv_pool_shardings
-from jaxllm.sampling import build_sampling_metadata, sample
+from jaxllm.sampler_rows import build_sampling_metadata
+from jaxllm.sampling import sample
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30

@@ -44,7 +44,7 @@ from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.layers import fp8_kernels
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling import needs_penalties
+from jaxllm.sampler_rows import needs_penalties
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.structured import GrammarCompiler, StructuredOutputs
 

@@ -35,14 +35,14 @@ from jaxllm.loading import LoadedModel
 from jaxllm.parallel import logits_sharding
 from jaxllm.parallel.distributed import put_from_host
 from jaxllm.quantization.compile_options import forward_compiler_options
-from jaxllm.sampling import (
+from jaxllm.sampler_rows import (
     SamplerInput,
     SampleVariant,
-    SamplingMetadata,
     build_sampling_metadata,
     penalty_width,
     sample_variant,
 )
+from jaxllm.sampling import SamplingMetadata
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)

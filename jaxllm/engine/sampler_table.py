@@ -2,7 +2,7 @@
 
 A sequence's sampling parameters, seed and prompt length never change, so they are written
 to a row when it first samples (``batch`` meets a new seq id) and the row is freed when its
-request finishes (``remove``). A step's :class:`~jaxllm.sampling.SamplerBatch` is then a
+request finishes (``remove``). A step's :class:`~jaxllm.sampler_rows.SamplerBatch` is then a
 gather of those rows plus each row's token count: no ``SamplerInput`` per row per step,
 and ``sample_variant`` / ``build_sampling_metadata`` read columns (the way
 ``jaxllm.engine.block_table`` serves block tables)::
@@ -19,14 +19,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxllm.engine.scheduler_output import ScheduledSample
-from jaxllm.sampling import (
-    PAD_ID,
+from jaxllm.sampler_rows import (
     ROW_FIELDS,
     SamplerBatch,
     SampleVariant,
     needs_penalties,
     needs_top_k_top_p,
 )
+from jaxllm.sampling import PAD_ID
 from jaxllm.sampling_params import SamplingParams
 
 # Per-row settings besides ROW_FIELDS' (steps is the one field that changes every step).

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
         PreparedForward,
         StepResult,
     )
-    from jaxllm.sampling import SamplerBatch
+    from jaxllm.sampler_rows import SamplerBatch
     from jaxllm.structured import GrammarTask, StructuredOutputs
 
 

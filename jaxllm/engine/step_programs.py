@@ -24,7 +24,8 @@ from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import make_forward
 from jaxllm.models.pooling import pool_hidden
 from jaxllm.parallel import kv_pool_shardings, logits_sharding
-from jaxllm.sampling import SampleVariant, sample
+from jaxllm.sampler_rows import SampleVariant
+from jaxllm.sampling import sample
 
 
 @dataclasses.dataclass(frozen=True)
