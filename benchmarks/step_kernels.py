@@ -16,6 +16,13 @@ attention, quantization) come from the same HLO passes. Counted: every launch in
 computation (fusions, custom calls, copies; a ``while`` counts once), and XLA's temporaries
 (``memory_analysis``: what the engine's KV planner subtracts from the device's memory).
 
+``program_digest`` (in the JSON and the table) fingerprints the optimized program with what
+only names the source left out (the file and stack-frame tables, the kernels' serialized IR,
+which embeds source lines): two trees whose digests agree compile the same XLA program, so a
+GPU figure measured on one holds for the other as far as the device's work goes, provided
+the kernels' code (their IR, left out here) did not change either. ``--source-tree DIR``
+compiles the jaxllm checked out at DIR (another commit's ``git worktree``) with this script.
+
     JAX_PLATFORMS=cpu python -m jaxllm.benchmarks.step_kernels --quantization none,fp8,awq \\
         --buckets 1x1,8x8,64x64,1024x8192 --env JAXLLM_FP8_SWIGLU_KERNEL=off,f32 \\
         --compiler-option xla_gpu_experimental_enable_triton_heroless_priority_fusion=false,true
@@ -26,9 +33,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import hashlib
 import itertools
 import os
 import re
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -85,6 +95,21 @@ def count_kernels(hlo_text: str) -> collections.Counter:
         else:
             kinds[op] += 1
     return kinds
+
+
+def program_digest(hlo_text: str) -> str:
+    """A digest of a compiled module's text without what only names the source: the tables
+    of files and stack frames before the first computation, ops' metadata (their JAX name
+    stacks and source lines) and stack-frame ids, the Triton
+    kernels' serialized IR and the Mosaic GPU kernels' modules (both embed source paths and
+    lines)."""
+    start = min(i for i in (hlo_text.find("\n%"), hlo_text.find("\nENTRY")) if i >= 0)
+    text = re.sub(r", (?:metadata=\{[^}]*\}|stack_frame_id=\d+)", "", hlo_text[start:])
+    text = re.sub(r'ir = "(?:[^"\\]|\\.)*"', "ir = <kernel>", text)
+    text = "\n".join(re.sub(r"backend_config=.*$", "backend_config=<kernel>", line)
+                     if 'custom_call_target="mosaic_gpu' in line else line
+                     for line in text.splitlines())
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def deviceless_gpu(target_config: str = H200):
@@ -183,7 +208,7 @@ def run(args) -> dict:
     device = deviceless_gpu()
     rows_out = []
     print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}{'temp GiB':>9}"
-          "  top kinds",
+          "  digest            top kinds",
           flush=True)
     for quantization, bucket, env, xla in itertools.product(
             args.quantization.split(","), args.buckets.split(","), _variants(args.env),
@@ -202,12 +227,13 @@ def run(args) -> dict:
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
                "compiler_options": xla, "kernels": sum(kinds.values()),
                "by_kind": dict(kinds.most_common()), "temp_bytes": temp,
+               "program_digest": program_digest(compiled.as_text()),
                "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
         top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(3))
         setting = " ".join(f"{k}={v}" for k, v in (env | xla).items())
         print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}"
-              f"{temp / 2**30:>9.2f}  {top}", flush=True)
+              f"{temp / 2**30:>9.2f}  {row['program_digest']}  {top}", flush=True)
     return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
             "args": vars(args), "rows": rows_out}
 
@@ -229,12 +255,36 @@ def parse_args(argv=None) -> argparse.Namespace:
                         metavar="NAME=V1,V2",
                         help="an XLA option's values to compile with (repeatable), e.g. "
                              "xla_gpu_enable_command_buffer=")
+    parser.add_argument("--source-tree", default=None, metavar="DIR",
+                        help="compile the jaxllm of this checkout (e.g. an older commit's "
+                             "worktree) instead of this one's")
     parser.add_argument("--output-json", default=None)
     return parser.parse_args(argv)
 
 
+def _without(argv: list[str], options: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``options`` and their values (``--opt v`` or ``--opt=v``)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(o + "=" for o in options)):
+            kept.append(arg)
+    return kept
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.source_tree:  # this file run over the other tree's jaxllm, in that tree
+        tree = os.path.abspath(args.source_tree)
+        rest = _without(argv, ("--source-tree", "--output-json"))
+        if args.output_json:
+            rest += ["--output-json", os.path.abspath(args.output_json)]
+        sys.exit(subprocess.run([sys.executable, os.path.abspath(__file__), *rest], cwd=tree,
+                                env=os.environ | {"PYTHONPATH": tree}).returncode)
     write_json(run(args), args.output_json)
 
 

@@ -222,6 +222,26 @@ def test_step_kernels_counts_the_entry_computations_launches():
         "loop_add_fusion": 1, "copy": 1, "while": 1}
 
 
+def test_step_kernels_digest_leaves_out_only_what_names_the_source():
+    from jaxllm.benchmarks.step_kernels import program_digest
+
+    def module(tree: str, line: int, op: str = "add") -> str:
+        return (f'HloModule m\n\nFileNames\n1 "{tree}/jaxllm/models/llama.py"\n\n'
+                "ENTRY %main (x: f32[4]) -> f32[4] {\n"
+                "  %x = f32[4]{0} parameter(0)\n"
+                f"  %k = f32[4]{{0}} custom-call(%x), custom_call_target=\"__gpu$xla.gpu.triton\", "
+                f'backend_config={{grid_x = 8 : i32, ir = "ML\\EFR{tree}:{line}\\00", '
+                f'name = "decode"}}, stack_frame_id={line}\n'
+                f'  %h = f32[4]{{0}} custom-call(%k), custom_call_target="mosaic_gpu_v2", '
+                f'backend_config="{tree}:{line}"\n'
+                f"  ROOT %y = f32[4]{{0}} {op}(%h, %x), metadata={{op_name=\"jit(f)/{tree}\" "
+                f"source_line={line}}}\n}}\n")
+
+    same = program_digest(module("/tmp/old_tree", 10))
+    assert program_digest(module("/work/main", 12)) == same  # moved source, same program
+    assert program_digest(module("/work/main", 12, op="multiply")) != same
+
+
 needs_cuda_plugin = pytest.mark.skipif(
     importlib.util.find_spec("jax_plugins") is None
     or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
