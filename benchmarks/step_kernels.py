@@ -14,7 +14,9 @@ picks are heuristic (on the H200 the autotuner may choose cuBLAS where this show
 Triton GEMM and the reduction after it). The other kernels (norms, RoPE, the KV writes,
 attention, quantization) come from the same HLO passes. Counted: every launch in the entry
 computation (fusions, custom calls, copies; a ``while`` counts once), and XLA's temporaries
-(``memory_analysis``: what the engine's KV planner subtracts from the device's memory).
+(``memory_analysis``: what the engine's KV planner subtracts from the device's memory), and
+how the GPU executable submits them (``graph_structure``: XLA's thunk sequence, the command
+buffers and the thunks launched outside them).
 
 ``program_digest`` (in the JSON and the table) fingerprints the optimized program with what
 only names the source left out (the file and stack-frame tables, the kernels' serialized IR,
@@ -33,12 +35,14 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import glob
 import hashlib
 import itertools
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from unittest import mock
 
@@ -95,6 +99,31 @@ def count_kernels(hlo_text: str) -> collections.Counter:
         else:
             kinds[op] += 1
     return kinds
+
+
+def graph_structure(paths: list[str]) -> dict:
+    """How the executable launches its work, from XLA's thunk sequence (the file its
+    ``xla_dump_to`` writes after the thunk passes): ``graphs``, the command buffers (CUDA
+    graphs) a step submits; ``graph_commands``, the commands inside them; ``outside_graphs``,
+    the thunks launched one by one. Empty when XLA wrote no such file. (With command buffers
+    off, ``--xla_gpu_enable_command_buffer=``, XLA runs no thunk passes and writes the
+    sequence before them: every thunk is then outside.)"""
+    if not paths:
+        return {}
+    graphs = commands = outside = 0
+    with open(paths[0]) as f:
+        for line in f:
+            match = re.match(r"( *)\d+: (k\w+)", line)
+            if match is None:
+                continue
+            nested, kind = bool(match.group(1)), match.group(2)
+            if nested:
+                commands += 1
+            elif kind == "kCommandBuffer":
+                graphs += 1
+            else:
+                outside += 1
+    return {"graphs": graphs, "graph_commands": commands, "outside_graphs": outside}
 
 
 def program_digest(hlo_text: str) -> str:
@@ -205,10 +234,12 @@ def _variants(specs: list[str], typed: bool = False) -> list[dict]:
 
 
 def run(args) -> dict:
+    from jax._src import config as jax_config
+
     device = deviceless_gpu()
     rows_out = []
     print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}{'temp GiB':>9}"
-          "  digest            top kinds",
+          "  digest            graphs (commands) outside  top kinds",
           flush=True)
     for quantization, bucket, env, xla in itertools.product(
             args.quantization.split(","), args.buckets.split(","), _variants(args.env),
@@ -220,20 +251,30 @@ def run(args) -> dict:
                 args.model, None if quantization == "none" else quantization,
                 args.kv_cache_dtype, rows, tokens, args.table_width, args.attention_backend,
                 device)
-            compiled = lowered.compile(compiler_options=options | xla)
+            # XLA's thunks (the GPU's launches) are written only by a compile, never on a
+            # hit in JAX's persistent cache (whose key leaves the dump options out)
+            with tempfile.TemporaryDirectory() as dump, \
+                    jax_config.enable_compilation_cache(False):
+                compiled = lowered.compile(compiler_options=options | xla | {
+                    "xla_dump_to": dump, "xla_dump_hlo_module_re": "forward"})
+                graphs = graph_structure(
+                    glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
+                    or glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
         kinds = count_kernels(compiled.as_text())
         # what the KV planner subtracts (jaxllm.engine.kv_sizing.activation_bytes)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
                "compiler_options": xla, "kernels": sum(kinds.values()),
                "by_kind": dict(kinds.most_common()), "temp_bytes": temp,
-               "program_digest": program_digest(compiled.as_text()),
+               "program_digest": program_digest(compiled.as_text()), **graphs,
                "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
         top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(3))
         setting = " ".join(f"{k}={v}" for k, v in (env | xla).items())
         print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}"
-              f"{temp / 2**30:>9.2f}  {row['program_digest']}  {top}", flush=True)
+              f"{temp / 2**30:>9.2f}  {row['program_digest']}  "
+              f"{row.get('graphs', '-'):>6} ({row.get('graph_commands', '-'):>6}) "
+              f"{row.get('outside_graphs', '-'):>7}  {top}", flush=True)
     return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
             "args": vars(args), "rows": rows_out}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import subprocess
 
@@ -222,6 +223,22 @@ def test_step_kernels_counts_the_entry_computations_launches():
         "loop_add_fusion": 1, "copy": 1, "while": 1}
 
 
+def test_step_kernels_reads_xlas_thunk_sequence(tmp_path):
+    from jaxllm.benchmarks.step_kernels import graph_structure
+
+    sequence = tmp_path / "m.thunk_sequence_after_thunk_passes.txt"
+    sequence.write_text(
+        "000: kCommandBuffer [source | sink] \n"
+        "    001: kCustomKernel [source | next=002 (1)] loop_add_fusion grid: [1, 1, 1]\n"
+        "    002: kCustomKernel [prev=001 (1) | sink] paged_attention_decode grid: [2, 1, 4]\n"
+        "001: kGemm [source | sink] custom-call.3\n"
+        "002: kCommandBuffer [source | sink] \n"
+        "    001: kCopy [source | sink] kCopy\n")
+    assert graph_structure([str(sequence)]) == {
+        "graphs": 2, "graph_commands": 3, "outside_graphs": 1}
+    assert graph_structure([]) == {}
+
+
 def test_step_kernels_digest_leaves_out_only_what_names_the_source():
     from jaxllm.benchmarks.step_kernels import program_digest
 
@@ -260,6 +277,13 @@ def test_step_kernels_compiles_the_engines_step_for_an_h200_without_one(tiny_con
     # Hopper prefill kernel's)
     triton = "custom-call __gpu$xla.gpu.triton"
     assert counts["none", 1]["by_kind"][triton] == 2
+    # XLA's GPU thunks, the Pallas kernels among them: one command buffer (CUDA graph) for
+    # the whole decode step, or (this suite turns command buffers off, as an eager engine
+    # does) every launch outside one
+    decode = counts["none", 1]
+    graphs_on = "xla_gpu_enable_command_buffer=" not in os.environ.get("XLA_FLAGS", "")
+    assert (decode["graphs"], decode["graph_commands"] > 0) == (int(graphs_on), graphs_on)
+    assert decode["graph_commands"] + decode["outside_graphs"] >= decode["kernels"]
     assert counts["none", 4]["by_kind"][triton] == 4
     # FP8 adds each projection's per-token quantization
     for rows in (1, 4):
