@@ -176,7 +176,10 @@ def pack_batch(chunks: SeqChunks | Sequence[SeqChunk], block_size: int, *,
                       given_tables)
         seq_lens = _set(xp, seq_lens, slice(0, count), num_computed + num_new)
         starts_padded = _set(xp, starts_padded, slice(0, count), starts)
-        seq = xp.minimum(xp.searchsorted(ends, flat, side="right"), count - 1)  # [T]
+        # traced (generate): unrolled, not jnp's default while loop, which XLA's GPU runtime
+        # launches from the host outside the program's CUDA graph
+        unrolled = {} if xp is np else {"method": "scan_unrolled"}
+        seq = xp.minimum(xp.searchsorted(ends, flat, side="right", **unrolled), count - 1)  # [T]
         offset = flat - starts[seq]  # [T]  index of the token within its chunk
         pos = num_computed[seq] + offset  # [T]
         block_index = xp.clip(pos // block_size, 0, width - 1)

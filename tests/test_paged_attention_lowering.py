@@ -57,6 +57,16 @@ def test_prefill_call_has_no_xla_padding_for_a_group_of_three():
     assert "(tensor<576x64xbf16>) -> tensor<64x9x64xbf16>" in text  # the result, reshaped
 
 
+@pytest.mark.parametrize("kernel", [paged_attention_decode, paged_attention_prefill])
+def test_calls_plan_their_tokens_without_a_while_loop(kernel):
+    """Each token's sequence (and the prefill's blocks' owners) is found by a search unrolled
+    into plain ops: an HLO while loop is a thunk XLA's GPU runtime runs from the host, outside
+    the step's CUDA graph (it split the 8B step into two and three graphs: RESULTS.md)."""
+    text = lowered_for_h200(kernel, 256)
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "stablehlo.while" not in text
+
+
 @pytest.mark.parametrize(("q_dtype", "pool_dtype", "block_kv"), [
     (jnp.bfloat16, jnp.bfloat16, 128), (jnp.bfloat16, jnp.float8_e4m3fn, 128),
     (jnp.bfloat16, jnp.float32, 64), (jnp.float32, jnp.float32, 64)])

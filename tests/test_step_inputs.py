@@ -91,3 +91,19 @@ def test_packed_batch_unpacks_to_its_fields_on_the_host_and_in_a_jit():
         for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens",
                      "query_start_loc", "logits_indices"):
             np.testing.assert_array_equal(getattr(got, name), getattr(batch, name))
+
+
+def test_a_traced_batch_equals_the_host_one_and_runs_no_while_loop():
+    # generate() packs inside its jit: the token -> sequence search is unrolled (a while
+    # loop would run from the host, outside the program's CUDA graph on a GPU)
+    from jaxllm.batch import SeqChunks
+
+    chunks = SeqChunks.from_list([SeqChunk([5, 6, 7], 4, [1, 2]), SeqChunk([8], 5, [3, 5]),
+                                  SeqChunk([9, 10], 0, [4])])
+    host = pack_batch(chunks, 4, num_tokens=8, num_seqs=4)
+    arrays = (chunks.token_ids, chunks.num_new_tokens, chunks.num_computed, chunks.block_tables)
+    traced = jax.jit(lambda *a: pack_batch(SeqChunks(*a), 4, num_tokens=8, num_seqs=4))
+    device = traced(*arrays)
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices"):
+        np.testing.assert_array_equal(getattr(device, name), getattr(host, name), name)
+    assert "stablehlo.while" not in traced.lower(*arrays).as_text()

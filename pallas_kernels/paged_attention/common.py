@@ -108,7 +108,9 @@ def token_kv_ranges(
     num_tokens = positions.shape[0]
     num_seqs = seq_lens.shape[0]
     tokens = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start_loc[1:], tokens, side="right")
+    # unrolled: the default "scan" is an HLO while loop, which XLA's GPU runtime launches
+    # from the host outside the step's command buffer (CUDA graph), kernel by kernel
+    seq = jnp.searchsorted(query_start_loc[1:], tokens, side="right", method="scan_unrolled")
     seq = jnp.minimum(seq, num_seqs - 1).astype(jnp.int32)
     real = tokens < query_start_loc[-1]
     hi = jnp.where(real, jnp.minimum(seq_lens[seq], positions + 1), 0)

@@ -83,7 +83,8 @@ def query_blocks(query_start_loc: jax.Array, num_tokens: int, block_q: int,
     # Each sequence wastes less than one block; each block holds at least one token.
     bound = min(pl.cdiv(num_tokens, block_q) + num_seqs + 1, num_tokens)
     block = jnp.arange(bound, dtype=jnp.int32)
-    owner = jnp.minimum(jnp.searchsorted(ends, block, side="right"), num_seqs)
+    owner = jnp.minimum(jnp.searchsorted(ends, block, side="right", method="scan_unrolled"),
+                        num_seqs)  # (no while loop: see common.token_kv_ranges)
     t0 = starts[owner] + (block - (ends[owner] - counts[owner])) * block_q
     t1 = jnp.minimum(t0 + block_q, starts[owner + 1])
     if skip_single_token_seqs:

@@ -34,7 +34,8 @@ def paged_attention_reference(
     num_seqs, width = block_tables.shape
     context = width * block_size
     seq = jnp.minimum(
-        jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right"), num_seqs - 1)
+        jnp.searchsorted(query_start_loc[1:], jnp.arange(num_tokens), side="right",
+                         method="scan_unrolled"), num_seqs - 1)
 
     def attend(q_chunk, seq_chunk, pos_chunk):
         tables = block_tables[seq_chunk]  # [C, W]
