@@ -242,6 +242,15 @@ graph_updates() {
     $PY -m jaxllm.benchmarks.command_buffer_log "$log" --output-json "$DIR/cb_graphs_$q.json"
     tail -n 40 "$log" > "$DIR/cb_$q.vlog_tail" && rm -f "$log"
   done
+  # the GEMV reading x itself (128 fewer kernels) made the engine's AWQ batch-1 step slower on
+  # the host, 9.2 against 5.2 ms (2026-12-03), for a reason not found: its graph updates
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+    jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
+    --batch-buffer fresh,same --quantization awq --gemv-overrides x_in_kernel=True \
+    --output-json "$DIR/cb_launch_awq_x.json" 2> "$DIR/cb_awq_x.vlog"
+  $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_x.vlog" \
+    --output-json "$DIR/cb_graphs_awq_x.json"
+  tail -n 40 "$DIR/cb_awq_x.vlog" > "$DIR/cb_awq_x.vlog_tail" && rm -f "$DIR/cb_awq_x.vlog"
 }
 
 summary() {

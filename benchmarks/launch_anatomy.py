@@ -141,9 +141,13 @@ def run(args) -> dict:
     import jaxllm
 
     result = {"commit": source_commit(), "model": args.model, "context_len": args.context_len,
-              "quantization": args.quantization,
+              "quantization": args.quantization, "gemv_overrides": args.gemv_overrides,
               "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "devices": [str(d) for d in jax.devices()], "rows": []}
+    if args.gemv_overrides:
+        from jaxllm.benchmarks.step_profile import override_gemv
+
+        override_gemv(args.gemv_overrides)  # (its cache directory: unused, nothing cached here)
     if not set(args.batch_buffer.split(",")) <= {"fresh", "same"}:
         raise ValueError(f"--batch-buffer: {args.batch_buffer!r} is not fresh and/or same")
     variants = args.variants.split(",")
@@ -196,6 +200,9 @@ def main(argv=None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--quantization", default=None, help="as the engine's (awq, fp8, ...)")
+    parser.add_argument("--gemv-overrides", default=None,
+                        help="int4 GEMV config fields over every config it picks, as "
+                             "step_profile's (e.g. x_in_kernel=True)")
     parser.add_argument("--batch-buffer", default="fresh",
                         help="comma-separated: fresh (a newly transferred batch every call, as "
                              "the engine's steps), same (the same device buffer every call)")
