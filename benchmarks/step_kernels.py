@@ -129,9 +129,8 @@ def graph_structure(paths: list[str]) -> dict:
 def program_digest(hlo_text: str) -> str:
     """A digest of a compiled module's text without what only names the source: the tables
     of files and stack frames before the first computation, ops' metadata (their JAX name
-    stacks and source lines) and stack-frame ids, the Triton
-    kernels' serialized IR and the Mosaic GPU kernels' modules (both embed source paths and
-    lines)."""
+    stacks and source lines) and stack-frame ids, the Triton kernels' serialized IR and the
+    Mosaic GPU kernels' modules (both embed source paths and lines)."""
     start = min(i for i in (hlo_text.find("\n%"), hlo_text.find("\nENTRY")) if i >= 0)
     text = re.sub(r", (?:metadata=\{[^}]*\}|stack_frame_id=\d+)", "", hlo_text[start:])
     text = re.sub(r'ir = "(?:[^"\\]|\\.)*"', "ir = <kernel>", text)
