@@ -38,7 +38,8 @@
 #   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
 #   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
 #   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths;
-#   "cb": XLA's graph updates at batch 1 / 64, bf16 and AWQ, the batch at a new or one address
+#   "cb": XLA's graph updates at batch 1 / 64, bf16 and AWQ (and AWQ with x in the GEMV, and
+#   under SKIP_TEMP), the batch at a new or at one address (~6 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -128,7 +129,7 @@ only17() {
     # newly transferred every call (as the engine's) and at one address (launch_anatomy's
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
-    picked cb && step cb_graph_updates 90 300 bash -c "DIR=$DIR PY=$PY graph_updates"
+    picked cb && step cb_graph_updates 240 420 bash -c "DIR=$DIR PY=$PY graph_updates"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
@@ -251,6 +252,17 @@ graph_updates() {
   $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_x.vlog" \
     --output-json "$DIR/cb_graphs_awq_x.json"
   tail -n 40 "$DIR/cb_awq_x.vlog" > "$DIR/cb_awq_x.vlog_tail" && rm -f "$DIR/cb_awq_x.vlog"
+  # XLA's SKIP_TEMP update mode ignores moved temporaries: with the batch at a new and at one
+  # address, the 2 x 2 with the default above says which moved allocations cost the launch
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+    jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
+    --batch-buffer fresh,same --quantization awq \
+    --output-json "$DIR/cb_launch_awq_skip_temp.json" 2> "$DIR/cb_awq_skip_temp.vlog"
+  $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_skip_temp.vlog" \
+    --output-json "$DIR/cb_graphs_awq_skip_temp.json"
+  tail -n 40 "$DIR/cb_awq_skip_temp.vlog" > "$DIR/cb_awq_skip_temp.vlog_tail"
+  rm -f "$DIR/cb_awq_skip_temp.vlog"
 }
 
 summary() {
