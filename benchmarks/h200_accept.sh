@@ -230,14 +230,16 @@ only17() {
 }
 
 # launch_anatomy under XLA's command-buffer log, one process per weight format; the log is
-# summarized (command_buffer_log) and only its last lines kept
+# summarized (command_buffer_log) and only its last lines kept. The command executor's own
+# count (commands re-recorded and skipped) is logged from one of two files by jaxlib version.
+CB_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1,command_buffer_cmd_executor=1
 graph_updates() {
   local q
   for q in bf16 awq; do
     local quant="" log="$DIR/cb_$q.vlog"
     [ "$q" = awq ] && quant="--quantization awq"
     # shellcheck disable=SC2086
-    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
       jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1,64x1 --iters 30 \
       --batch-buffer fresh,same $quant --output-json "$DIR/cb_launch_$q.json" 2> "$log"
     $PY -m jaxllm.benchmarks.command_buffer_log "$log" --output-json "$DIR/cb_graphs_$q.json"
@@ -245,7 +247,7 @@ graph_updates() {
   done
   # the GEMV reading x itself (128 fewer kernels) made the engine's AWQ batch-1 step slower on
   # the host, 9.2 against 5.2 ms (2026-12-03), for a reason not found: its graph updates
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
     jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
     --batch-buffer fresh,same --quantization awq --gemv-overrides x_in_kernel=True \
     --output-json "$DIR/cb_launch_awq_x.json" 2> "$DIR/cb_awq_x.vlog"
@@ -255,7 +257,7 @@ graph_updates() {
   # XLA's SKIP_TEMP update mode ignores moved temporaries: with the batch at a new and at one
   # address, the 2 x 2 with the default above says which moved allocations cost the launch
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
-    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 $PY -m \
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
     jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
     --batch-buffer fresh,same --quantization awq \
     --output-json "$DIR/cb_launch_awq_skip_temp.json" 2> "$DIR/cb_awq_skip_temp.vlog"

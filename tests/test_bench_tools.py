@@ -318,11 +318,15 @@ def test_command_buffer_log_counts_xlas_graph_updates(tmp_path):
         "I1205 command_buffer_thunk.cc:260] Update command buffer on device #0 by recoding "
         "command buffer cmd sequence after 1 executions since last update; num_commands=40; "
         "updated_allocs=3",
+        "I1205 command_executor.cc:480] Updated 40 commands in 110 μs (skipped 36 command "
+        "updates)",
         "I1205 command_buffer_thunk.cc:280] Updated command buffer in 120 μs; num_commands=40",
         "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
         "I1205 command_buffer_thunk.cc:260] Create/Update command buffer by recoding command "
         "buffer cmd sequence after 1 executions since last update; num_commands=7; "
         "updated_allocs=1; is_first_record=0; needs_update=1",
+        "I1205 command_buffer_cmd.cc:410] Updated 7 commands in 25 μs (skipped 0 command "
+        "updates)",
         "I1205 command_buffer_thunk.cc:280] Updated command buffer in 30 μs; num_commands=7",
         "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=1",
         "I1205 command_buffer_thunk.cc:290] Execute command buffer; num_executions=2",
@@ -335,5 +339,6 @@ def test_command_buffer_log_counts_xlas_graph_updates(tmp_path):
     s = sections["unrolled 1x1 same"]
     assert (s["executes"], s["updates"], s["update_us"], s["evicted"]) == (4, 2, 150, 2)
     assert s["updated_allocs"] == {"1": 1, "3": 1} and s["update_us_per_execute"] == 37.5
+    assert (s["commands_recorded"], s["commands_skipped"]) == (4 + 7, 36)
     assert s["by_size"] == {"7": {"updates": 1, "update_us": 30},
                             "40": {"updates": 1, "update_us": 120}}
