@@ -39,7 +39,9 @@
 #   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
 #   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths;
 #   "cb": XLA's graph updates at batch 1 / 64, bf16 and AWQ (and AWQ with x in the GEMV, and
-#   under SKIP_TEMP), the batch at a new or at one address (~6 minutes)
+#   under SKIP_TEMP), the batch at a new or at one address (~6 minutes); "e1": the engine's
+#   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
+#   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -130,6 +132,12 @@ only17() {
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
     picked cb && step cb_graph_updates 240 420 bash -c "DIR=$DIR PY=$PY graph_updates"
+    # The engine's small decode steps with the step's batch read from a copy in the forward's
+    # temporaries (JAXLLM_STAGE_STEP_INPUT=on: one command of the step's graph reads the new
+    # batch instead of ~130) against today's, off then on for each: bf16 and AWQ at one
+    # sequence, bf16 at 64 (~6 minutes; what cb's "same" batch buffer bounds)
+    export -f staged_steps
+    picked e1 && step e1_staged_step_input 300 480 bash -c "DIR=$DIR PY=$PY staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
@@ -227,6 +235,24 @@ only17() {
     fi
   }
   return 0
+}
+
+# e1: one engine process per (weights, rows, staging); step_timeline's bins give the steps' ms
+staged_steps() {
+  local config q rows prompts stage
+  for config in bf16:1 awq:1 bf16:64; do
+    q=${config%:*} rows=${config#*:} prompts=$(( ${config#*:} == 1 ? 4 : 64 ))
+    local quant=""
+    [ "$q" = awq ] && quant="--quantization awq"
+    for stage in off on; do
+      # shellcheck disable=SC2086
+      JAXLLM_STAGE_STEP_INPUT=$stage $PY -m jaxllm.benchmarks.step_timeline --model llama-3-8b \
+        --load-format dummy --dtype bfloat16 --no-progress --dataset-name random \
+        --input-len 1024 --output-len 160 --num-prompts $prompts --max-num-seqs $rows \
+        --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 --unroll-layers $quant \
+        --output-json "$DIR/e1_${q}_b${rows}_stage_$stage.json"
+    done
+  done
 }
 
 # launch_anatomy under XLA's command-buffer log, one process per weight format; the log is

@@ -176,7 +176,7 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
     import numpy as np
 
     from jaxllm.batch import PackedBatch, pack_batch
-    from jaxllm.engine.step_programs import ProgramKey, step_programs
+    from jaxllm.engine.step_programs import ProgramKey, stage_step_input, step_programs
     from jaxllm.kv_pool import kv_cache_dtype as pool_dtype
     from jaxllm.kv_pool import new_kv_pool
     from jaxllm.loading import load_model
@@ -207,7 +207,8 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
                        num_logits=rows, decode_only=rows == tokens)
     packed = placed(PackedBatch.pack(batch, np.full(tokens, -1, np.int32)))
     max_rows = max(rows, 1024)
-    programs = step_programs(ProgramKey(cfg, dtype, attention_backend, None, max_rows))
+    programs = step_programs(ProgramKey(cfg, dtype, attention_backend, None, max_rows,
+                                        stage_step_input()))
     prev_tokens = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=sharding)
     with tracing_for_gpu():
         # traced anew: what the program reads of the environment (JAXLLM_FP8_SWIGLU_KERNEL)

@@ -1,11 +1,18 @@
 """The engine's host path: a scheduled step packed without per-token Python (``pack_step``)
 equals the reference builder fed one ``SeqChunk`` per sequence, placeholders included; the
-packed one-buffer transfer unpacks to the same arrays, on the host and inside a jit."""
+packed one-buffer transfer unpacks to the same arrays, on the host and inside a jit; staged
+(``JAXLLM_STAGE_STEP_INPUT``), the forward reads it in one op and computes the same."""
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
+from tiny_models import TINY_CONFIGS, random_params
 
 from jaxllm.batch import PackedBatch, SeqChunk, pack_batch
 from jaxllm.engine.block_manager import BlockManager
@@ -14,6 +21,9 @@ from jaxllm.engine.engine_config import SchedulerConfig
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceGroup
 from jaxllm.engine.step_inputs import pack_step
+from jaxllm.engine.step_programs import ProgramKey, stage_step_input, step_programs
+from jaxllm.kv_pool import new_kv_pool
+from jaxllm.models.llama import unstack_layer_params
 from jaxllm.sampling_params import SamplingParams
 
 BS = 4
@@ -107,3 +117,59 @@ def test_a_traced_batch_equals_the_host_one_and_runs_no_while_loop():
     for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "logits_indices"):
         np.testing.assert_array_equal(getattr(device, name), getattr(host, name), name)
     assert "stablehlo.while" not in traced.lower(*arrays).as_text()
+
+
+def _readers_of_parameter(hlo_text: str, number: int) -> int:
+    """Instructions of the optimized program's entry that read entry parameter ``number``,
+    directly or through bitcasts (which alias it)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    names, users = set(), collections.Counter()
+    for line in entry.split("\n"):
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (\S+)\((.*)", line)
+        if not m:
+            continue
+        name, op, operands = m.groups()
+        if op == "parameter" and operands.startswith(f"{number})"):
+            names.add(name)
+        elif op == "bitcast" and operands.split(")")[0].lstrip("%") in names:
+            names.add(name)
+        else:
+            for operand in re.findall(r"%([\w.\-]+)", operands.split("), ")[0]):
+                users[name] += operand in names
+    return sum(1 for n in users.values() if n)
+
+
+@pytest.mark.parametrize("layers", ["stacked", "unrolled"])
+def test_staged_step_input_is_read_by_one_op_and_changes_no_logit(layers):
+    """``JAXLLM_STAGE_STEP_INPUT=on`` (ProgramKey.stage_input): the compiled forward reads
+    its newly transferred batch in one op (the copy the rest read; on a GPU, the one command
+    of the step's graph re-recorded for a new batch address), and computes what it computed
+    before: a mixed step of a prompt chunk and a decode, its pool written the same."""
+    cfg = TINY_CONFIGS["llama3_rope_scaling"]
+    params = random_params(cfg)
+    unroll = layers == "unrolled"
+    if unroll:
+        params = unstack_layer_params(params)
+    chunks = [SeqChunk([5, 6, 7, 8, 9], 0, [1, 2]), SeqChunk([3], 6, [3, 4])]
+    batch = pack_batch(chunks, BS, num_tokens=8, num_seqs=2, table_width=4, num_logits=2)
+    packed = PackedBatch.pack(batch, np.full(8, -1, np.int32))
+    prev_tokens = jnp.zeros((8,), jnp.int32)
+    results, readers = [], []
+    for stage in (False, True):
+        programs = step_programs(ProgramKey(cfg, jnp.float32, "reference", None, 8, stage))
+        pool = new_kv_pool(cfg, 8, BS, jnp.float32, unroll_layers=unroll)
+        compiled = programs.forward.lower(params, pool, packed, prev_tokens).compile()
+        number = len(jax.tree.leaves(params)) + len(jax.tree.leaves(pool))  # packed's data
+        readers.append(_readers_of_parameter(compiled.as_text(), number))
+        logits, pool, _ = compiled(params, pool, packed, prev_tokens)
+        results.append((np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(pool)]))
+    assert readers[0] > 1 and readers[1] == 1, readers
+    np.testing.assert_array_equal(results[1][0], results[0][0])
+    for staged, plain in zip(results[1][1], results[0][1], strict=True):
+        np.testing.assert_array_equal(staged, plain)
+
+
+def test_stage_step_input_setting_refuses_other_values():
+    assert not stage_step_input({}) and stage_step_input({"JAXLLM_STAGE_STEP_INPUT": "on"})
+    with pytest.raises(ValueError, match="JAXLLM_STAGE_STEP_INPUT='yes' must be 'off' or 'on'"):
+        stage_step_input({"JAXLLM_STAGE_STEP_INPUT": "yes"})

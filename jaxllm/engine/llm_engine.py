@@ -40,6 +40,7 @@ from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from jaxllm.engine.stats import EngineStats
 from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
+from jaxllm.engine.step_programs import stage_step_input
 from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.layers import fp8_kernels
 from jaxllm.loading import LoadedModel, load_model
@@ -71,6 +72,7 @@ class LLMEngine(StepLauncher):
                                                                     jax.default_backend()))
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
+        stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,

@@ -29,7 +29,7 @@ from jaxllm.engine.step_handles import (
     PreparedForward,
 )
 from jaxllm.engine.step_inputs import pack_step
-from jaxllm.engine.step_programs import ProgramKey, step_programs
+from jaxllm.engine.step_programs import ProgramKey, stage_step_input, step_programs
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.parallel import logits_sharding
@@ -102,7 +102,8 @@ class ModelRunner:
         self.max_rows = self.buckets.batch_sizes[-1]
         # Forward and sampler are compiled separately: the sampler's shape depends only on
         # the row count, so it compiles once per batch bucket instead of once per step shape.
-        program_key = ProgramKey(cfg, model.dtype, attention_backend, mesh, self.max_rows)
+        program_key = ProgramKey(cfg, model.dtype, attention_backend, mesh, self.max_rows,
+                                 stage_step_input())
         self._programs = step_programs(program_key)
         # Warm restarts: compiled programs read from disk without tracing (ExecutableCache);
         # the context is what shapes them besides their arguments.

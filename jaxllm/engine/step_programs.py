@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -27,6 +28,22 @@ from jaxllm.parallel import kv_pool_shardings, logits_sharding
 from jaxllm.sampler_rows import SampleVariant
 from jaxllm.sampling import sample
 
+# "on": the forward reads its step's batch from a copy in its own temporaries
+# (PackedBatch.staged), at one address from step to step, so that XLA's CUDA graph of the step
+# needs only the copy's command re-recorded for a new batch. Off until timed on a GPU
+# (benchmarks/h200_accept.sh's "e1"). Read where the runner makes its ProgramKey, so listed
+# among the executable cache's program variables (executable_cache.PROGRAM_ENV).
+STAGE_STEP_INPUT_ENV = "JAXLLM_STAGE_STEP_INPUT"
+
+
+def stage_step_input(environ=os.environ) -> bool:
+    """Whether ``JAXLLM_STAGE_STEP_INPUT`` is "on" ("off" when unset); a clear error for any
+    other value."""
+    value = environ.get(STAGE_STEP_INPUT_ENV, "").strip() or "off"
+    if value not in ("off", "on"):
+        raise ValueError(f"{STAGE_STEP_INPUT_ENV}={value!r} must be 'off' or 'on'")
+    return value == "on"
+
 
 @dataclasses.dataclass(frozen=True)
 class ProgramKey:
@@ -35,6 +52,7 @@ class ProgramKey:
     attention_backend: str
     mesh: jax.sharding.Mesh | None  # tensor parallel: pool and logits split over it
     max_rows: int  # the largest row bucket: the sampled-token buffer's size
+    stage_input: bool = False  # the forward reads a staged copy of its batch (stage_step_input)
 
 
 class StepPrograms(NamedTuple):
@@ -66,6 +84,8 @@ def step_programs(key: ProgramKey) -> StepPrograms:
         return jax.lax.with_sharding_constraint(pool, kv_pool_shardings(pool, mesh))
 
     def forward_after(params, kv_pool, packed: PackedBatch, prev_tokens, pooling=False):
+        if key.stage_input:
+            packed = packed.staged()
         batch, prev_rows = packed.unpack()  # one host-to-device copy for all of it
         # Async scheduling: tokens the previous step samples are only on the device; the host
         # marks where they go (prev_rows >= 0) and they are filled in here.
