@@ -41,7 +41,8 @@
 #   "cb": XLA's graph updates at batch 1 / 64, bf16 and AWQ (and AWQ with x in the GEMV, and
 #   under SKIP_TEMP), the batch at a new or at one address (~6 minutes); "e1": the engine's
 #   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
-#   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes)
+#   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes); "e1t": the
+#   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -136,8 +137,13 @@ only17() {
     # temporaries (JAXLLM_STAGE_STEP_INPUT=on: one command of the step's graph reads the new
     # batch instead of ~130) against today's, off then on for each: bf16 and AWQ at one
     # sequence, bf16 at 64 (~6 minutes; what cb's "same" batch buffer bounds)
+    # e1t: the same at one sequence under XLA's SKIP_TEMP update mode (the temporaries kept at
+    # one address through XLA's VMM allocator), where staging leaves ~4 commands to re-record
     export -f staged_steps
     picked e1 && step e1_staged_step_input 300 480 bash -c "DIR=$DIR PY=$PY staged_steps"
+    picked e1t && step e1t_staged_skip_temp 200 360 bash -c "DIR=$DIR PY=$PY \
+      XLA_FLAGS='${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP' \
+      E1_CONFIGS='bf16:1 awq:1' E1_TAG=skip_temp_ staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, and forwards through them)
     picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
@@ -240,7 +246,7 @@ only17() {
 # e1: one engine process per (weights, rows, staging); step_timeline's bins give the steps' ms
 staged_steps() {
   local config q rows prompts stage
-  for config in bf16:1 awq:1 bf16:64; do
+  for config in ${E1_CONFIGS:-bf16:1 awq:1 bf16:64}; do
     q=${config%:*} rows=${config#*:} prompts=$(( ${config#*:} == 1 ? 4 : 64 ))
     local quant=""
     [ "$q" = awq ] && quant="--quantization awq"
@@ -250,7 +256,7 @@ staged_steps() {
         --load-format dummy --dtype bfloat16 --no-progress --dataset-name random \
         --input-len 1024 --output-len 160 --num-prompts $prompts --max-num-seqs $rows \
         --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 --unroll-layers $quant \
-        --output-json "$DIR/e1_${q}_b${rows}_stage_$stage.json"
+        --output-json "$DIR/e1_${E1_TAG:-}${q}_b${rows}_stage_$stage.json"
     done
   done
 }
