@@ -114,7 +114,7 @@ class Int4GemvConfig:
     # before the call; one more integer op a thread per (token, row, nibble): in the sm_90
     # SASS, instructions a weight at 4 columns a thread 2.73 -> 3.06 (qkv, 1 token) and
     # 4.02 -> 4.65 (2 tokens), at 8 columns 2.40 -> 2.55 (gate_up)). False: XLA scales x
-    # and sums each step's before the call (two small fusions) and the kernel loads them.
+    # and sums each step's before the call (one small fusion) and the kernel loads them.
     # NOTE: False by default: on the H200 (2026-12-03, benchmarks/RESULTS.md) the Llama-3-8B
     # AWQ engine step at batch 1 took 9.2 ms with x in the kernel against 5.17 ms before it (the
     # host's launch 7.5 against 4.4 ms a step; device time 3.28 against 3.36 ms), two machines,
