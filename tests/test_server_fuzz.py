@@ -3,10 +3,10 @@ for every operation of the server's own ``/openapi.json`` (its boundary cases, t
 schema accepts and bodies it refuses, from a fixed seed) and each response must break no
 property: no 5xx and no hang, every non-2xx body an OpenAI error body, streams that end in
 ``[DONE]``, status, headers and body as documented, refused input answered with a 4xx
-(benchmarks/fuzz_server.py :func:`check`; ``python -m jaxllm.benchmarks.fuzz_server`` is the
+(benchmarks/fuzz_checks.py :func:`check`; ``python -m jaxllm.benchmarks.fuzz_server`` is the
 long run). Then the server must still serve, with every KV block back in the pool.
 
-Decode work stays tiny (``max_tokens`` capped at 2, see :func:`fuzz_server.cap`), so the file's
+Decode work stays tiny (``max_tokens`` capped at 2, see :func:`fuzz_checks.cap`), so the file's
 time goes to requests.
 """
 
