@@ -16,7 +16,10 @@ attention, quantization) come from the same HLO passes. Counted: every launch in
 computation (fusions, custom calls, copies; a ``while`` counts once), and XLA's temporaries
 (``memory_analysis``: what the engine's KV planner subtracts from the device's memory), and
 how the GPU executable submits them (``graph_structure``: XLA's thunk sequence, the command
-buffers and the thunks launched outside them).
+buffers and the thunks launched outside them). ``readers`` (``input_readers`` in the JSON,
+:func:`parameter_readers`): the launches that read the step's newly transferred batch, which
+XLA re-records in the step's graph before it runs whenever that buffer moved (every step;
+``JAXLLM_STAGE_STEP_INPUT=on`` leaves one).
 
 ``program_digest`` (in the JSON and the table) fingerprints the optimized program with what
 only names the source left out (the file and stack-frame tables, the kernels' serialized IR,
@@ -101,6 +104,30 @@ def count_kernels(hlo_text: str) -> collections.Counter:
     return kinds
 
 
+def parameter_readers(hlo_text: str, number: int) -> int:
+    """Launching instructions of a compiled module's entry that read entry parameter
+    ``number``, directly or through bitcasts and tuples (which alias it): on a GPU, the
+    commands of the step's graph that XLA re-records when that buffer's address changed."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    aliases, readers = set(), 0
+    for line in entry.splitlines()[1:]:
+        match = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([\w\-]+)\((.*)", line)
+        if match is None:
+            continue
+        name, op, rest = match.groups()
+        operands = set(re.findall(r"%([\w.\-]+)", rest.split("), ")[0]))
+        if op == "parameter":
+            if rest.startswith(f"{number})"):
+                aliases.add(name)
+        elif op in ("bitcast", "get-tuple-element", "tuple", "opt-barrier"):
+            if operands & aliases:
+                aliases.add(name)
+        elif op in LAUNCHING and operands & aliases:
+            readers += 1
+    return readers
+
+
 def graph_structure(paths: list[str]) -> dict:
     """How the executable launches its work, from XLA's thunk sequence (the file its
     ``xla_dump_to`` writes after the thunk passes): ``graphs``, the command buffers (CUDA
@@ -170,7 +197,8 @@ def tracing_for_gpu():
 def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows: int,
                  tokens: int, table_width: int, attention_backend: str, device):
     """The engine's forward program for one step shape, lowered for ``device``: (lowered,
-    the compile options the engine gives it)."""
+    the compile options the engine gives it, the entry parameter numbers of the step's inputs
+    that change every step: the packed batch's and the previous step's tokens')."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -215,7 +243,9 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
         # is read as it is traced, and JAX would reuse an earlier trace of the same shapes
         jax.clear_caches()
         lowered = programs.forward.lower(abstract_params, pool, packed, prev_tokens)
-    return lowered, forward_compiler_options(described["quantization"])
+    first = len(jax.tree.leaves(abstract_params)) + len(jax.tree.leaves(pool))
+    inputs = {"batch": first, "prev_tokens": first + 1}  # (params, pool, packed, prev_tokens)
+    return lowered, forward_compiler_options(described["quantization"]), inputs
 
 
 def _variants(specs: list[str], typed: bool = False) -> list[dict]:
@@ -239,7 +269,7 @@ def run(args) -> dict:
     device = deviceless_gpu()
     rows_out = []
     print(f"{'quantization':<13}{'bucket':>11}  {'setting':<34}{'kernels':>8}{'temp GiB':>9}"
-          "  digest            graphs (commands) outside  top kinds",
+          "  digest            graphs (commands) outside  readers  top kinds",
           flush=True)
     for quantization, bucket, env, xla in itertools.product(
             args.quantization.split(","), args.buckets.split(","), _variants(args.env),
@@ -247,7 +277,7 @@ def run(args) -> dict:
         rows, tokens = (int(n) for n in bucket.split("x"))
         with mock.patch.dict(os.environ, env):
             t0 = time.perf_counter()
-            lowered, options = step_program(
+            lowered, options, inputs = step_program(
                 args.model, None if quantization == "none" else quantization,
                 args.kv_cache_dtype, rows, tokens, args.table_width, args.attention_backend,
                 device)
@@ -261,12 +291,16 @@ def run(args) -> dict:
                     glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
                     or glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
         kinds = count_kernels(compiled.as_text())
+        # what a new address of each step input makes XLA re-record in the step's graph
+        readers = {name: parameter_readers(compiled.as_text(), number)
+                   for name, number in inputs.items()}
         # what the KV planner subtracts (jaxllm.engine.kv_sizing.activation_bytes)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
                "compiler_options": xla, "kernels": sum(kinds.values()),
                "by_kind": dict(kinds.most_common()), "temp_bytes": temp,
                "program_digest": program_digest(compiled.as_text()), **graphs,
+               "input_readers": readers,
                "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
         top = ", ".join(f"{kind} {n}" for kind, n in kinds.most_common(3))
@@ -274,7 +308,7 @@ def run(args) -> dict:
         print(f"{quantization:<13}{bucket:>11}  {setting:<34}{row['kernels']:>8}"
               f"{temp / 2**30:>9.2f}  {row['program_digest']}  "
               f"{row.get('graphs', '-'):>6} ({row.get('graph_commands', '-'):>6}) "
-              f"{row.get('outside_graphs', '-'):>7}  {top}", flush=True)
+              f"{row.get('outside_graphs', '-'):>7} {readers['batch']:>8}  {top}", flush=True)
     return {"benchmark": "step_kernels", "commit": source_commit(), "target": "H200",
             "args": vars(args), "rows": rows_out}
 

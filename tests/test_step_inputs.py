@@ -5,13 +5,11 @@ packed one-buffer transfer unpacks to the same arrays, on the host and inside a 
 
 from __future__ import annotations
 
-import collections
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxllm.benchmarks.step_kernels import parameter_readers
 from tiny_models import TINY_CONFIGS, random_params
 
 from jaxllm.batch import PackedBatch, SeqChunk, pack_batch
@@ -119,26 +117,6 @@ def test_a_traced_batch_equals_the_host_one_and_runs_no_while_loop():
     assert "stablehlo.while" not in traced.lower(*arrays).as_text()
 
 
-def _readers_of_parameter(hlo_text: str, number: int) -> int:
-    """Instructions of the optimized program's entry that read entry parameter ``number``,
-    directly or through bitcasts (which alias it)."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    names, users = set(), collections.Counter()
-    for line in entry.split("\n"):
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (\S+)\((.*)", line)
-        if not m:
-            continue
-        name, op, operands = m.groups()
-        if op == "parameter" and operands.startswith(f"{number})"):
-            names.add(name)
-        elif op == "bitcast" and operands.split(")")[0].lstrip("%") in names:
-            names.add(name)
-        else:
-            for operand in re.findall(r"%([\w.\-]+)", operands.split("), ")[0]):
-                users[name] += operand in names
-    return sum(1 for n in users.values() if n)
-
-
 @pytest.mark.parametrize("layers", ["stacked", "unrolled"])
 def test_staged_step_input_is_read_by_one_op_and_changes_no_logit(layers):
     """``JAXLLM_STAGE_STEP_INPUT=on`` (ProgramKey.stage_input): the compiled forward reads
@@ -160,7 +138,7 @@ def test_staged_step_input_is_read_by_one_op_and_changes_no_logit(layers):
         pool = new_kv_pool(cfg, 8, BS, jnp.float32, unroll_layers=unroll)
         compiled = programs.forward.lower(params, pool, packed, prev_tokens).compile()
         number = len(jax.tree.leaves(params)) + len(jax.tree.leaves(pool))  # packed's data
-        readers.append(_readers_of_parameter(compiled.as_text(), number))
+        readers.append(parameter_readers(compiled.as_text(), number))
         logits, pool, _ = compiled(params, pool, packed, prev_tokens)
         results.append((np.asarray(logits), [np.asarray(x) for x in jax.tree.leaves(pool)]))
     assert readers[0] > 1 and readers[1] == 1, readers
