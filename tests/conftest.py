@@ -119,6 +119,23 @@ def smollm2_llm(smollm2):
     return jaxllm.LLM(smollm2, progress=False, **SMOLLM2_ENGINE_ARGS)
 
 
+@pytest.fixture(scope="module")
+def server(smollm2_llm):
+    """A live OpenAI-compatible server over the shared SmolLM2 engine (tests/server_harness.py),
+    one per test module that asks for it; a module with its own ``server`` fixture uses that."""
+    from server_harness import serve_smollm2
+
+    yield from serve_smollm2(smollm2_llm)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The ``openai`` client of ``server``."""
+    from server_harness import openai_client
+
+    return openai_client(server)
+
+
 def assert_engine_idle(engine) -> None:
     """Nothing queued, running or swapped, and every KV block back in the pool."""
     bm = engine.block_manager

@@ -1,5 +1,6 @@
 """The live OpenAI-compatible server the server tests share: SmolLM2 on CPU on 127.0.0.1,
-over the run's shared engine (conftest), with raw-HTTP and metrics helpers."""
+over the run's shared engine (conftest's module-scoped ``server`` and ``client`` fixtures),
+with raw-HTTP and metrics helpers."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 
 def serve_smollm2(smollm2_llm):
     """A server over the run's shared SmolLM2 engine (conftest), left idle afterwards: the
-    body of a test module's ``server`` fixture."""
+    body of conftest's ``server`` fixture."""
     engine = smollm2_llm.engine
     assert engine.config.max_model_len == MAX_MODEL_LEN
     config = ServerConfig(host="127.0.0.1", port=0, served_model_name=(MODEL, "alias"),

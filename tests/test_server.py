@@ -21,23 +21,11 @@ from server_harness import (
     greedy_text,
     http_counts,
     metric_samples,
-    openai_client,
     request,
-    serve_smollm2,
     wait_engine_idle,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_llm):
-    yield from serve_smollm2(smollm2_llm)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server)
 
 
 # ------------------------------------------------------------------ the openai client
