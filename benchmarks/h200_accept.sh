@@ -42,7 +42,8 @@
 #   under SKIP_TEMP), the batch at a new or at one address (~6 minutes); "e1": the engine's
 #   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
 #   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes); "e1t": the
-#   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes)
+#   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes); "i5": the Hopper int4
+#   kernel's GPU tests (g9), then int4_matmul --hopper at 16 / 128 / 512 tokens (~5 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -219,6 +220,16 @@ only17() {
       --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
     # the tiled int4 kernel with one dot a step (never timed) against XLA's dequantize + dot
     # at the AWQ engine's mid-size steps (XLA's path above 64 tokens: 1.6-2.1x bf16's steps)
+    # The Hopper int4 kernel (Mosaic GPU, the weight as wgmma's register operand; never run on
+    # a GPU before): its GPU tests, then timed beside bf16 and XLA's path at the AWQ engine's
+    # decode and mid-size steps (i5 only when g9 passed)
+    picked i5 && step g9_int4_hopper_tests 40 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+      tests/test_int4_hopper.py
+    if picked i5 && grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
+      step i5_int4_hopper 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+        --shapes gate_up,down,qkv --tokens 16,128,512 --with-xla --hopper --copies 8 \
+        --iters 20 --output-json "$DIR/i5_int4_hopper.json"
+    fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"

@@ -17,7 +17,8 @@ printed and skipped; the JSON is rewritten after every row, so a run cut short k
 ``--gemv-sweep`` adds GEMV block configs and ends with the fastest of each (tokens, shape) as
 lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py). ``--gemv-before``
 adds the GEMV as it was before its denormal inner loop ("gemv before"), timed in the same
-process as the current one ("gemv"):
+process as the current one ("gemv"). ``--hopper`` adds the Mosaic GPU kernel
+(``int4_matmul_hopper_nk``, the weight converted to int4 [N, K] before the timing):
 
     python -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1 --gemv-before --gemv-sweep
 
@@ -123,12 +124,15 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         gemv_unsupported,
         unsupported,
     )
+    from jaxllm.pallas_kernels.quantized_matmul.hopper import unsupported as hopper_unsupported
 
     variants = {"bf16": ("bf16", None)}
     if args.with_xla:
         variants["xla dequantize + dot"] = ("xla", None)
     if args.xla_int4:
         variants["xla int4 gemm"] = ("xla_int4", None)
+    if args.hopper and hopper_unsupported(tokens, k, n, group) is None:
+        variants["hopper kernel"] = ("hopper", None)
     if unsupported(tokens, k, n, group) is None:
         variants["matmul kernel"] = ("matmul", None)
         if args.one_dot:
@@ -165,12 +169,14 @@ def _program(kind: str, config, group: int, interpret: bool):
         int4_matmul_reference,
         int4_matmul_xla_int4,
     )
+    from jaxllm.pallas_kernels.quantized_matmul.hopper import int4_matmul_hopper_nk
     from jaxllm.pallas_kernels.quantized_matmul.xla_int4 import COMPILE_OPTIONS
 
     if kind == "bf16":
         return jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)]), None
+    # "hopper" takes the weight as int4 [N, K] (hopper_weight, converted outside the timing)
     impl = {"xla": int4_matmul_reference, "matmul": int4_matmul, "gemv": int4_gemv,
-            "xla_int4": int4_matmul_xla_int4}[kind]
+            "xla_int4": int4_matmul_xla_int4, "hopper": int4_matmul_hopper_nk}[kind]
     kwargs = {"config": config} if config is not None else {}
     if kind != "xla" and interpret:
         kwargs["interpret"] = True
@@ -222,6 +228,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     from jaxllm.benchmarks.provenance import source_commit
     from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference
+    from jaxllm.pallas_kernels.quantized_matmul.hopper import hopper_weight
 
     group, copies = args.group_size, args.copies
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -241,6 +248,12 @@ def run(args) -> dict:
             w16 = [(jax.random.normal(kk, (k, n)) * 0.02).astype(jnp.bfloat16)
                    for kk in jax.random.split(kb, copies)]
             int4_bytes = k * n // 2 + (k // group) * n * 3  # words + bf16 scales + u8 zeros
+            converted = {}  # the Hopper kernel's weights, made once a shape when first asked
+
+            def hopper_weights(words, converted=converted):
+                if "w" not in converted:
+                    converted["w"] = [jax.jit(hopper_weight)(w) for w in words]
+                return converted["w"]
             for tokens in tokens_list:
                 xs = [jax.random.normal(kk, (tokens, k)).astype(jnp.bfloat16)
                       for kk in jax.random.split(jax.random.fold_in(kx, tokens), copies)]
@@ -258,8 +271,9 @@ def run(args) -> dict:
                         if kind == "bf16":
                             fargs = (xs, w16)
                         else:
-                            fargs = (xs, qw, scales, zeros)
-                            got = one(xs[0], qw[0], scales[0], zeros[0]).astype(jnp.float32)
+                            fargs = (xs, hopper_weights(qw) if kind == "hopper" else qw,
+                                     scales, zeros)
+                            got = one(*(a[0] for a in fargs)).astype(jnp.float32)
                             row["max_err"] = float(jnp.max(jnp.abs(got - expected)))
                             row["max_ref"] = float(jnp.max(jnp.abs(expected)))
                             row["rel_err"] = row["max_err"] / max(row["max_ref"], 1e-30)
@@ -340,6 +354,9 @@ def main(argv=None) -> None:
     parser.add_argument("--one-dot", action="store_true",
                         help="also the tiled kernel with one dot of K = block_k a step "
                         "(Int4MatmulConfig.one_dot)")
+    parser.add_argument("--hopper", action="store_true",
+                        help="also the Hopper kernel (Mosaic GPU, the weight as int4 [N, K] "
+                        "converted before the timing; pallas_kernels/quantized_matmul/hopper.py)")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in interpret mode (a CPU smoke run: --models tiny)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")

@@ -1,0 +1,232 @@
+"""4-bit weight matmul for Hopper in Pallas' Mosaic GPU backend: wgmma with the weight as its
+register operand, upcast and dequantized in registers, for the AWQ engine's mid-size steps.
+
+NOTE: lowered for sm_90a and run by JAX's GPU interpreter on CPU (tests/test_int4_hopper.py);
+never compiled or timed on a GPU, not in the engine. The Triton kernels cannot do this: in
+their sm_90 SASS the unpacked weight reaches wgmma through shared memory one bf16 at a time
+(benchmarks/RESULTS.md, 2026-12-05).
+
+The product is computed transposed, y^T [N, M] = W^T [N, K] x^T [K, M], so that the weight is
+wgmma's A operand, which may live in registers: each compute warpgroup loads its [64, tile_k]
+rows of the weight as XLA's int4 type (:func:`hopper_weight`: the packed words [K/8, N] as
+int4 [N, K], K contiguous, nibbles centred on 8), upcasts them to bf16 (Mosaic GPU's
+mixed-input layouts), and dequantizes them with its rows' zero points and scales of the step's
+group, ``(q' - z') s`` with ``q' = q - 8`` and ``z' = z - 8``: integers exact in bf16, one
+rounding of the product, as the reference rounds. x^T's [tile_k, tile_tokens] tile is B, from
+shared memory. A memory warpgroup copies the steps' tiles by TMA (``emit_pipeline_warp_
+specialized``); the programs stay resident and take output tiles in turn::
+
+    tiles: (N / (2 tile_rows)) x (M' / tile_tokens), M' the tokens padded to tile_tokens
+    program p: tiles p, p + P, ...; per tile, K / tile_k steps, each
+        wg 0, 1   rows [w tile_rows, (w + 1) tile_rows) of the tile: A = dequantized weight,
+                  acc += A @ x^T tile (wgmma; JAX's GPU interpreter: a register dot)
+        wg 2      TMA: weight [2 tile_rows, tile_k] int4, x^T [tile_k, tile_tokens], the
+                  group's scales and zero points [1, 2 tile_rows]
+
+:func:`int4_matmul_hopper` has the signature of :func:`~.reference.int4_matmul_reference` (it
+converts the weight on each call: for tests and the benchmark's comparison);
+:func:`int4_matmul_hopper_nk` takes the converted weight (what an engine would store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .reference import PER_WORD, unpack_int4
+
+CENTRE = 8  # unsigned nibbles minus 8 fit int4 [-8, 7]
+WGMMA_ROWS = 64  # a warpgroup's wgmma rows
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperInt4Config:
+    """Tunables (static)."""
+
+    tile_tokens: int = 128  # tokens per tile: wgmma's N (a multiple of 16: x^T's rows of 32+
+    # bytes, the smallest swizzle; at most 256)
+    tile_k: int = 128  # K per pipeline step: divides the group size
+    max_concurrent_steps: int = 4  # pipeline stages in shared memory
+    num_programs: int | None = None  # resident programs; None: the device's SMs (2 interpreted)
+
+    def __post_init__(self):
+        if self.tile_tokens % 16 or not 16 <= self.tile_tokens <= 256:
+            raise ValueError(f"tile_tokens={self.tile_tokens} must be a multiple of 16 in "
+                             "[16, 256]")
+        if self.tile_k % 64:
+            raise ValueError(f"tile_k={self.tile_k} must be a multiple of 64")
+        if self.max_concurrent_steps < 2:
+            raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+
+
+def config_for(m: int) -> HopperInt4Config:
+    """The config for ``m`` tokens: one tile of tokens up to 128 (the smallest multiple of 16
+    that holds them: few tokens make a narrow wgmma, not a padded one), then tiles of 128."""
+    return HopperInt4Config(tile_tokens=min(128, max(16, -(-m // 16) * 16)))
+
+
+def unsupported(m: int, k: int, n: int, group_size: int,
+                config: HopperInt4Config | None = None) -> str | None:
+    """Why the kernel cannot take this shape (None: it can)."""
+    config = config or HopperInt4Config()
+    if group_size % config.tile_k or k % group_size:
+        return (f"group_size={group_size} must be a multiple of tile_k={config.tile_k} "
+                f"dividing K={k}")
+    if n % (2 * WGMMA_ROWS):
+        return f"N={n} is not a multiple of {2 * WGMMA_ROWS}"
+    if m < 1:
+        return "no tokens"
+    return None
+
+
+def hopper_weight(qweight: jax.Array) -> jax.Array:
+    """The packed words i32[K/8, N] (row 8r + j in bits 4j..4j+3) as int4 [N, K]: q - 8, K
+    contiguous (XLA's int4 type; the layout the kernel's A operand is read in)."""
+    return (unpack_int4(qweight) - CENTRE).astype(jnp.int4).T
+
+
+def _swizzled(minor_bits: int, elem_bits: int, what: str):
+    swizzle = plgpu.find_swizzle(minor_bits, what)
+    return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def int4_matmul_hopper_nk(
+    x: jax.Array,  # [.., K]
+    weight: jax.Array,  # int4[N, K] (hopper_weight)
+    scales: jax.Array,  # [G, N]
+    zeros: jax.Array,  # u8[G, N]
+    *,
+    group_size: int,
+    interpret: bool = False,
+    config: HopperInt4Config | None = None,
+) -> jax.Array:  # [.., N] in x's dtype
+    """``x @ W`` with W[k, n] = (q[k, n] - zeros[k // g, n]) scales[k // g, n], the weight as
+    :func:`hopper_weight` gives it; raises ValueError for a shape :func:`unsupported`
+    names. ``config`` None: :func:`config_for` the tokens."""
+    *lead, k = x.shape
+    n, k_w = weight.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    config = config or config_for(m)
+    reason = unsupported(m, k, n, group_size, config)
+    if reason is not None or k_w != k:
+        raise ValueError(reason or f"x has K={k}, the weight {k_w}")
+    dtype = x.dtype
+    tile_tokens, tile_k = config.tile_tokens, config.tile_k
+    m_pad = pl.cdiv(m, tile_tokens) * tile_tokens
+    xt = jnp.pad(x2, ((0, m_pad - m), (0, 0))).T  # [K, M']
+    s = scales.astype(dtype)  # [G, N]
+    z = (zeros.astype(jnp.int32) - CENTRE).astype(dtype)  # [G, N]: exact
+    rows = 2 * WGMMA_ROWS  # a program's tile of the weight's rows
+    row_tiles, token_tiles, steps = n // rows, m_pad // tile_tokens, k // tile_k
+    num_programs = config.num_programs or (2 if interpret else _num_sms())
+    num_programs = min(num_programs, row_tiles * token_tiles)
+    w_transforms = _swizzled(tile_k * 4, 4, "the weight")
+    x_transforms = _swizzled(tile_tokens * 16, 16, "x")
+    out_transforms = _swizzled(tile_tokens * 16, 16, "the output")
+
+    def kernel(w_gmem, xt_gmem, s_gmem, z_gmem, out_gmem, out_smem):
+        wg = lax.axis_index("wg")
+        wg_rows = pl.ds(wg * WGMMA_ROWS, WGMMA_ROWS)
+
+        def pipeline(body, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                max_concurrent_steps=config.max_concurrent_steps, compute_context=context,
+                in_specs=[
+                    plgpu.BlockSpec((rows, tile_k), lambda i: (0, i), transforms=w_transforms),
+                    plgpu.BlockSpec((tile_k, tile_tokens), lambda i: (i, 0),
+                                    transforms=x_transforms),
+                    plgpu.BlockSpec((1, rows), lambda i: (i * tile_k // group_size, 0)),
+                    plgpu.BlockSpec((1, rows), lambda i: (i * tile_k // group_size, 0)),
+                ])
+
+        def step(_, w_smem, xt_smem, s_smem, z_smem, acc):
+            q = w_smem[wg_rows].astype(dtype)  # [64, tile_k]: upcast in registers
+            scale = lax.broadcast_in_dim(s_smem[0, wg_rows], q.shape, [0])
+            zero = lax.broadcast_in_dim(z_smem[0, wg_rows], q.shape, [0])
+            a = (q - zero) * scale
+            if interpret:  # JAX's GPU interpreter has no wgmma: the product in registers
+                return acc + jnp.dot(a, xt_smem[...], preferred_element_type=jnp.float32)
+            plgpu.wgmma(acc, a, xt_smem)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        ignore = lambda *_, **__: None
+
+        @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(
+            w_gmem, xt_gmem, s_gmem, z_gmem), collective_axes="wg")
+        def _(allocations):
+            @plgpu.nd_loop((row_tiles * token_tiles,), collective_axes="programs")
+            def _(loop):
+                (tile,) = loop.index
+                row_tile, token_tile = lax.div(tile, token_tiles), lax.rem(tile, token_tiles)
+                tile_rows = pl.ds(row_tile * rows, rows)
+                tile_cols = pl.ds(token_tile * tile_tokens, tile_tokens)
+
+                def context(run):
+                    if interpret:
+                        acc = run(jnp.zeros((WGMMA_ROWS, tile_tokens), jnp.float32))
+                    else:
+                        def in_acc(acc_ref):
+                            run(acc_ref)
+                            return acc_ref[...]
+
+                        acc = pl.run_scoped(
+                            in_acc, plgpu.ACC((WGMMA_ROWS, tile_tokens), jnp.float32))
+                    # The previous tile's store has read the buffer before it is refilled.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[wg] = acc.astype(dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[tile_rows, tile_cols].at[wg_rows])
+
+                pipeline(step, context)(
+                    w_gmem.at[tile_rows], xt_gmem.at[:, tile_cols], s_gmem.at[:, tile_rows],
+                    z_gmem.at[:, tile_rows], allocations=allocations)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out_t = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((n, m_pad), dtype),
+        grid=(num_programs,),
+        grid_names=("programs",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types={"out_smem": plgpu.SMEM((2, WGMMA_ROWS, tile_tokens), dtype,
+                                              transforms=out_transforms)},
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
+    )(weight, xt, s, z)
+    return out_t[:, :m].T.reshape(*lead, n)
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def int4_matmul_hopper(
+    x: jax.Array,  # [.., K]
+    qweight: jax.Array,  # i32[K/8, N]
+    scales: jax.Array,  # [G, N]
+    zeros: jax.Array,  # u8[G, N]
+    *,
+    group_size: int,
+    interpret: bool = False,
+    config: HopperInt4Config | None = None,
+) -> jax.Array:  # [.., N] in x's dtype
+    """Same contract as :func:`int4_matmul_reference`; the weight converted
+    (:func:`hopper_weight`) on every call."""
+    k = qweight.shape[-2] * PER_WORD
+    if qweight.ndim != 2 or k != x.shape[-1]:
+        raise ValueError(f"x has K={x.shape[-1]}, qweight {k} rows (a 2-D weight)")
+    return int4_matmul_hopper_nk(x, hopper_weight(qweight), scales, zeros,
+                                 group_size=group_size, interpret=interpret, config=config)
