@@ -98,4 +98,3 @@ def test_refuses_what_it_cannot_take():
 def test_compiled_kernel_equals_reference_on_gpu(tokens, k, n):
     """Llama-3-8B's qkv and down projections as the kernel would run in the engine."""
     _check(_case(tokens, k, n, 128, seed=tokens), 128, None, interpret=False)
-
