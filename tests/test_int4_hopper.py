@@ -37,8 +37,9 @@ def _check(args, group, config, interpret):
     ref = int4_matmul_reference(*args, group_size=group)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    # the products summed in another order, each output rounded to bf16 once
-    assert np.abs(out - ref).max() <= 2e-3 * np.abs(ref).max()
+    # the products summed in another order in float32, each output rounded to bf16 once: at
+    # most about one bf16 step (2^-7 relative) of the largest output apart
+    assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("tokens,k,n,group,config,lead", [

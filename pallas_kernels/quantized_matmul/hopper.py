@@ -12,15 +12,16 @@ rows of the weight as XLA's int4 type (:func:`hopper_weight`: the packed words [
 int4 [N, K], K contiguous, nibbles centred on 8), upcasts them to bf16 (Mosaic GPU's
 mixed-input layouts), and dequantizes them with its rows' zero points and scales of the step's
 group, ``(q' - z') s`` with ``q' = q - 8`` and ``z' = z - 8``: integers exact in bf16, one
-rounding of the product, as the reference rounds. x^T's [tile_k, tile_tokens] tile is B, from
-shared memory. A memory warpgroup copies the steps' tiles by TMA (``emit_pipeline_warp_
-specialized``); the programs stay resident and take output tiles in turn::
+rounding of the product, as the reference rounds. B is x^T: x's [tile_tokens, tile_k] tile
+in shared memory, read K-major (no transpose of x). A memory warpgroup copies the steps'
+tiles by TMA (``emit_pipeline_warp_specialized``); the programs stay resident and take output
+tiles in turn::
 
     tiles: (N / (2 tile_rows)) x (M' / tile_tokens), M' the tokens padded to tile_tokens
     program p: tiles p, p + P, ...; per tile, K / tile_k steps, each
         wg 0, 1   rows [w tile_rows, (w + 1) tile_rows) of the tile: A = dequantized weight,
                   acc += A @ x^T tile (wgmma; JAX's GPU interpreter: a register dot)
-        wg 2      TMA: weight [2 tile_rows, tile_k] int4, x^T [tile_k, tile_tokens], the
+        wg 2      TMA: weight [2 tile_rows, tile_k] int4, x [tile_tokens, tile_k], the
                   group's scales and zero points [1, 2 tile_rows]
 
 :func:`int4_matmul_hopper` has the signature of :func:`~.reference.int4_matmul_reference` (it
@@ -49,8 +50,7 @@ WGMMA_ROWS = 64  # a warpgroup's wgmma rows
 class HopperInt4Config:
     """Tunables (static)."""
 
-    tile_tokens: int = 128  # tokens per tile: wgmma's N (a multiple of 16: x^T's rows of 32+
-    # bytes, the smallest swizzle; at most 256)
+    tile_tokens: int = 128  # tokens per tile: wgmma's N (a multiple of 16; at most 256)
     tile_k: int = 128  # K per pipeline step: divides the group size
     max_concurrent_steps: int = 4  # pipeline stages in shared memory
     num_programs: int | None = None  # resident programs; None: the device's SMs (2 interpreted)
@@ -120,7 +120,7 @@ def int4_matmul_hopper_nk(
     dtype = x.dtype
     tile_tokens, tile_k = config.tile_tokens, config.tile_k
     m_pad = pl.cdiv(m, tile_tokens) * tile_tokens
-    xt = jnp.pad(x2, ((0, m_pad - m), (0, 0))).T  # [K, M']
+    xp = jnp.pad(x2, ((0, m_pad - m), (0, 0)))  # [M', K]
     s = scales.astype(dtype)  # [G, N]
     z = (zeros.astype(jnp.int32) - CENTRE).astype(dtype)  # [G, N]: exact
     rows = 2 * WGMMA_ROWS  # a program's tile of the weight's rows
@@ -128,10 +128,10 @@ def int4_matmul_hopper_nk(
     num_programs = config.num_programs or (2 if interpret else _num_sms())
     num_programs = min(num_programs, row_tiles * token_tiles)
     w_transforms = _swizzled(tile_k * 4, 4, "the weight")
-    x_transforms = _swizzled(tile_tokens * 16, 16, "x")
+    x_transforms = _swizzled(tile_k * 16, 16, "x")
     out_transforms = _swizzled(tile_tokens * 16, 16, "the output")
 
-    def kernel(w_gmem, xt_gmem, s_gmem, z_gmem, out_gmem, out_smem):
+    def kernel(w_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
         wg_rows = pl.ds(wg * WGMMA_ROWS, WGMMA_ROWS)
 
@@ -141,27 +141,27 @@ def int4_matmul_hopper_nk(
                 max_concurrent_steps=config.max_concurrent_steps, compute_context=context,
                 in_specs=[
                     plgpu.BlockSpec((rows, tile_k), lambda i: (0, i), transforms=w_transforms),
-                    plgpu.BlockSpec((tile_k, tile_tokens), lambda i: (i, 0),
+                    plgpu.BlockSpec((tile_tokens, tile_k), lambda i: (0, i),
                                     transforms=x_transforms),
                     plgpu.BlockSpec((1, rows), lambda i: (i * tile_k // group_size, 0)),
                     plgpu.BlockSpec((1, rows), lambda i: (i * tile_k // group_size, 0)),
                 ])
 
-        def step(_, w_smem, xt_smem, s_smem, z_smem, acc):
+        def step(_, w_smem, x_smem, s_smem, z_smem, acc):
             q = w_smem[wg_rows].astype(dtype)  # [64, tile_k]: upcast in registers
             scale = lax.broadcast_in_dim(s_smem[0, wg_rows], q.shape, [0])
             zero = lax.broadcast_in_dim(z_smem[0, wg_rows], q.shape, [0])
             a = (q - zero) * scale
             if interpret:  # JAX's GPU interpreter has no wgmma: the product in registers
-                return acc + jnp.dot(a, xt_smem[...], preferred_element_type=jnp.float32)
-            plgpu.wgmma(acc, a, xt_smem)
+                return acc + jnp.dot(a, x_smem[...].T, preferred_element_type=jnp.float32)
+            plgpu.wgmma(acc, a, x_smem.transpose((1, 0)))  # B = x^T: x's tile read K-major
             plgpu.wgmma_wait(0)
             return acc
 
         ignore = lambda *_, **__: None
 
         @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(
-            w_gmem, xt_gmem, s_gmem, z_gmem), collective_axes="wg")
+            w_gmem, x_gmem, s_gmem, z_gmem), collective_axes="wg")
         def _(allocations):
             @plgpu.nd_loop((row_tiles * token_tiles,), collective_axes="programs")
             def _(loop):
@@ -188,7 +188,7 @@ def int4_matmul_hopper_nk(
                                             out_gmem.at[tile_rows, tile_cols].at[wg_rows])
 
                 pipeline(step, context)(
-                    w_gmem.at[tile_rows], xt_gmem.at[:, tile_cols], s_gmem.at[:, tile_rows],
+                    w_gmem.at[tile_rows], x_gmem.at[tile_cols], s_gmem.at[:, tile_rows],
                     z_gmem.at[:, tile_rows], allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -205,7 +205,7 @@ def int4_matmul_hopper_nk(
         scratch_types={"out_smem": plgpu.SMEM((2, WGMMA_ROWS, tile_tokens), dtype,
                                               transforms=out_transforms)},
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(weight, xt, s, z)
+    )(weight, xp, s, z)
     return out_t[:, :m].T.reshape(*lead, n)
 
 
