@@ -17,12 +17,12 @@ in shared memory, read K-major (no transpose of x). A memory warpgroup copies th
 tiles by TMA (``emit_pipeline_warp_specialized``); the programs stay resident and take output
 tiles in turn::
 
-    tiles: (N / (2 tile_rows)) x (M' / tile_tokens), M' the tokens padded to tile_tokens
+    tiles: (N / 128) x (M' / tile_tokens), M' the tokens padded to tile_tokens
     program p: tiles p, p + P, ...; per tile, K / tile_k steps, each
-        wg 0, 1   rows [w tile_rows, (w + 1) tile_rows) of the tile: A = dequantized weight,
+        wg 0, 1   rows [64 w, 64 (w + 1)) of the tile: A = the dequantized weight,
                   acc += A @ x^T tile (wgmma; JAX's GPU interpreter: a register dot)
-        wg 2      TMA: weight [2 tile_rows, tile_k] int4, x [tile_tokens, tile_k], the
-                  group's scales and zero points [1, 2 tile_rows]
+        wg 2      TMA: weight [128, tile_k] int4, x [tile_tokens, tile_k], the group's
+                  scales and zero points [1, 128]
 
 :func:`int4_matmul_hopper` has the signature of :func:`~.reference.int4_matmul_reference` (it
 converts the weight on each call: for tests and the benchmark's comparison);
@@ -40,9 +40,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .reference import PER_WORD, unpack_int4
+from .reference import PER_WORD
+from .xla_int4 import CENTRE, centred_nibbles
 
-CENTRE = 8  # unsigned nibbles minus 8 fit int4 [-8, 7]
 WGMMA_ROWS = 64  # a warpgroup's wgmma rows
 
 
@@ -88,7 +88,7 @@ def unsupported(m: int, k: int, n: int, group_size: int,
 def hopper_weight(qweight: jax.Array) -> jax.Array:
     """The packed words i32[K/8, N] (row 8r + j in bits 4j..4j+3) as int4 [N, K]: q - 8, K
     contiguous (XLA's int4 type; the layout the kernel's A operand is read in)."""
-    return (unpack_int4(qweight) - CENTRE).astype(jnp.int4).T
+    return centred_nibbles(qweight).T
 
 
 def _swizzled(minor_bits: int, elem_bits: int, what: str):
