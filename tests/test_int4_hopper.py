@@ -49,7 +49,11 @@ def _check(args, group, config, interpret):
     (1, 256, 128, 256, HopperInt4Config(tile_tokens=16), (1,)),
     # groups of 64 over 64-wide steps, tokens past one tile
     (130, 256, 256, 64, HopperInt4Config(tile_tokens=64, tile_k=64), ()),
-], ids=["tiles_over_programs", "one_token", "group_64"])
+    # one tile on two programs: K split in two, the float32 partials summed after the call
+    (20, 512, 128, 128, HopperInt4Config(tile_tokens=32), ()),
+    # four splits of one group each, over four tiles
+    (40, 512, 256, 128, HopperInt4Config(tile_tokens=32, num_splits=4), ()),
+], ids=["tiles_over_programs", "one_token", "group_64", "split_k_auto", "split_k_4"])
 def test_interpreted_kernel_equals_reference(tokens, k, n, group, config, lead):
     _check(_case(tokens, k, n, group, seed=tokens, lead=lead), group, config, interpret=True)
 
@@ -90,6 +94,10 @@ def test_refuses_what_it_cannot_take():
         HopperInt4Config(tile_tokens=24)
     with pytest.raises(ValueError, match="tile_k=96 must be a multiple of 64"):
         HopperInt4Config(tile_k=96)
+    assert "3 splits of whole groups" in unsupported(16, 4096, 4096, 128,
+                                                     HopperInt4Config(num_splits=3))
+    # decode at Llama-3-8B's qkv: 48 tiles split to fill 132 programs
+    assert HopperInt4Config().splits(48, 4096, 128, 132) == 4
 
 
 @pytest.mark.gpu

@@ -17,8 +17,9 @@ in shared memory, read K-major (no transpose of x). A memory warpgroup copies th
 tiles by TMA (``emit_pipeline_warp_specialized``); the programs stay resident and take output
 tiles in turn::
 
-    tiles: (N / 128) x (M' / tile_tokens), M' the tokens padded to tile_tokens
-    program p: tiles p, p + P, ...; per tile, K / tile_k steps, each
+    items: (N / 128) x (M' / tile_tokens) tiles x S splits of K, M' the tokens padded to
+           tile_tokens, S doubled while the tiles alone leave programs idle (decode)
+    program p: items p, p + P, ...; per item, K / S / tile_k steps, each
         wg 0, 1   rows [64 w, 64 (w + 1)) of the tile: A = the dequantized weight,
                   acc += A @ x^T tile (wgmma; JAX's GPU interpreter: a register dot)
         wg 2      TMA: weight [128, tile_k] int4, x [tile_tokens, tile_k], the group's
@@ -54,6 +55,10 @@ class HopperInt4Config:
     tile_k: int = 128  # K per pipeline step: divides the group size
     max_concurrent_steps: int = 4  # pipeline stages in shared memory
     num_programs: int | None = None  # resident programs; None: the device's SMs (2 interpreted)
+    # Split-K: K partitions of whole groups, each summed in float32 by XLA after the call;
+    # None: doubled while the tiles do not fill the programs (decode: N / 128 tiles)
+    num_splits: int | None = None
+    max_splits: int = 16
 
     def __post_init__(self):
         if self.tile_tokens % 16 or not 16 <= self.tile_tokens <= 256:
@@ -63,6 +68,19 @@ class HopperInt4Config:
             raise ValueError(f"tile_k={self.tile_k} must be a multiple of 64")
         if self.max_concurrent_steps < 2:
             raise ValueError(f"max_concurrent_steps={self.max_concurrent_steps} must be >= 2")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1 or None")
+
+    def splits(self, tiles: int, k: int, group_size: int, programs: int) -> int:
+        """Split-K count: fixed, or doubled while every split keeps whole groups and the
+        tiles times the splits stay short of the programs."""
+        if self.num_splits is not None:
+            return self.num_splits
+        splits = 1
+        while (splits * 2 <= self.max_splits and k % (2 * splits * group_size) == 0
+               and tiles * splits < programs):
+            splits *= 2
+        return splits
 
 
 def config_for(m: int) -> HopperInt4Config:
@@ -80,6 +98,8 @@ def unsupported(m: int, k: int, n: int, group_size: int,
                 f"dividing K={k}")
     if n % (2 * WGMMA_ROWS):
         return f"N={n} is not a multiple of {2 * WGMMA_ROWS}"
+    if config.num_splits is not None and k % (config.num_splits * group_size):
+        return f"K={k} is not {config.num_splits} splits of whole groups of {group_size}"
     if m < 1:
         return "no tokens"
     return None
@@ -124,12 +144,18 @@ def int4_matmul_hopper_nk(
     s = scales.astype(dtype)  # [G, N]
     z = (zeros.astype(jnp.int32) - CENTRE).astype(dtype)  # [G, N]: exact
     rows = 2 * WGMMA_ROWS  # a program's tile of the weight's rows
-    row_tiles, token_tiles, steps = n // rows, m_pad // tile_tokens, k // tile_k
+    row_tiles, token_tiles = n // rows, m_pad // tile_tokens
     num_programs = config.num_programs or (2 if interpret else _num_sms())
-    num_programs = min(num_programs, row_tiles * token_tiles)
+    splits = config.splits(row_tiles * token_tiles, k, group_size, num_programs)
+    k_split = k // splits
+    steps, groups = k_split // tile_k, k_split // group_size  # a split's
+    items = row_tiles * token_tiles * splits
+    num_programs = min(num_programs, items)
+    out_dtype = dtype if splits == 1 else jnp.float32  # partial sums: summed after the call
     w_transforms = _swizzled(tile_k * 4, 4, "the weight")
     x_transforms = _swizzled(tile_k * 16, 16, "x")
-    out_transforms = _swizzled(tile_tokens * 16, 16, "the output")
+    out_transforms = _swizzled(tile_tokens * jnp.dtype(out_dtype).itemsize * 8,
+                               jnp.dtype(out_dtype).itemsize * 8, "the output")
 
     def kernel(w_gmem, x_gmem, s_gmem, z_gmem, out_gmem, out_smem):
         wg = lax.axis_index("wg")
@@ -163,12 +189,15 @@ def int4_matmul_hopper_nk(
         @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(
             w_gmem, x_gmem, s_gmem, z_gmem), collective_axes="wg")
         def _(allocations):
-            @plgpu.nd_loop((row_tiles * token_tiles,), collective_axes="programs")
+            @plgpu.nd_loop((items,), collective_axes="programs")
             def _(loop):
-                (tile,) = loop.index
+                (item,) = loop.index
+                tile, split = lax.div(item, splits), lax.rem(item, splits)
                 row_tile, token_tile = lax.div(tile, token_tiles), lax.rem(tile, token_tiles)
                 tile_rows = pl.ds(row_tile * rows, rows)
                 tile_cols = pl.ds(token_tile * tile_tokens, tile_tokens)
+                k_cols = pl.ds(split * k_split, k_split)
+                k_groups = pl.ds(split * groups, groups)
 
                 def context(run):
                     if interpret:
@@ -182,30 +211,32 @@ def int4_matmul_hopper_nk(
                             in_acc, plgpu.ACC((WGMMA_ROWS, tile_tokens), jnp.float32))
                     # The previous tile's store has read the buffer before it is refilled.
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = acc.astype(dtype)
+                    out_smem[wg] = acc.astype(out_dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                            out_gmem.at[tile_rows, tile_cols].at[wg_rows])
+                    plgpu.copy_smem_to_gmem(
+                        out_smem.at[wg], out_gmem.at[split, tile_rows, tile_cols].at[wg_rows])
 
                 pipeline(step, context)(
-                    w_gmem.at[tile_rows], x_gmem.at[tile_cols], s_gmem.at[:, tile_rows],
-                    z_gmem.at[:, tile_rows], allocations=allocations)
+                    w_gmem.at[tile_rows, k_cols], x_gmem.at[tile_cols, k_cols],
+                    s_gmem.at[k_groups, tile_rows], z_gmem.at[k_groups, tile_rows],
+                    allocations=allocations)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_t = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((n, m_pad), dtype),
+        out_type=jax.ShapeDtypeStruct((splits, n, m_pad), out_dtype),
         grid=(num_programs,),
         grid_names=("programs",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types={"out_smem": plgpu.SMEM((2, WGMMA_ROWS, tile_tokens), dtype,
+        scratch_types={"out_smem": plgpu.SMEM((2, WGMMA_ROWS, tile_tokens), out_dtype,
                                               transforms=out_transforms)},
         **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
-    )(weight, xp, s, z)
+    )(weight, xp, s, z)  # [splits, N, M']
+    out_t = out_t[0] if splits == 1 else out_t.sum(axis=0).astype(dtype)
     return out_t[:, :m].T.reshape(*lead, n)
 
 
