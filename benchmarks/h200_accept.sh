@@ -43,7 +43,7 @@
 #   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
 #   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes); "e1t": the
 #   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes); "i5": the Hopper int4
-#   kernel's GPU tests (g9), then int4_matmul --hopper at 16 / 128 / 512 tokens (~5 minutes)
+#   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (~6 minutes)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -227,7 +227,7 @@ only17() {
       tests/test_int4_hopper.py
     if picked i5 && grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
       step i5_int4_hopper 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
-        --shapes gate_up,down,qkv --tokens 16,128,512 --with-xla --hopper --copies 8 \
+        --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --copies 8 \
         --iters 20 --output-json "$DIR/i5_int4_hopper.json"
     fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
