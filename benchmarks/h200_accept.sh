@@ -226,7 +226,7 @@ only17() {
     picked i5 && step g9_int4_hopper_tests 40 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
       tests/test_int4_hopper.py
     if picked i5 && grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
-      step i5_int4_hopper 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+      step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
         --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --copies 8 \
         --iters 20 --output-json "$DIR/i5_int4_hopper.json"
     fi
