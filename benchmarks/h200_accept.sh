@@ -43,7 +43,9 @@
 #   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
 #   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes); "e1t": the
 #   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes); "i5": the Hopper int4
-#   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (~6 minutes)
+#   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (~6 minutes);
+#   "i5 t1ah": then the AWQ engine through it (JAXLLM_INT4_HOPPER=on), offline and its decode
+#   steps at 1 / 64 / 256 rows (~5 minutes more), beside "t1a l16"
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -229,6 +231,13 @@ only17() {
       step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
         --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --copies 8 \
         --iters 20 --output-json "$DIR/i5_int4_hopper.json"
+      # the AWQ engine with every projection through it (JAXLLM_INT4_HOPPER=on: the weights
+      # stored N-major at load): offline, and the decode steps at 1 / 64 / 256 rows
+      picked t1ah && step t1ah_sharegpt_awq_hopper 150 300 env JAXLLM_INT4_HOPPER=on $PY \
+        $TIMELINE --dataset-name sharegpt-like --quantization awq \
+        --output-json "$DIR/t1ah_sharegpt_awq_hopper.json"
+      picked t1ah && step l16h_latency_awq_hopper 40 200 bash -c "JAXLLM_INT4_HOPPER=on \
+        $PY ${LATENCY//$'\n'/ } -q awq --output-json $DIR/l16h_awq_hopper.json"
     fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \

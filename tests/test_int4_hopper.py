@@ -107,3 +107,55 @@ def test_refuses_what_it_cannot_take():
 def test_compiled_kernel_equals_reference_on_gpu(tokens, k, n):
     """Llama-3-8B's qkv and down projections as the kernel would run in the engine."""
     _check(_case(tokens, k, n, 128, seed=tokens), 128, None, interpret=False)
+
+
+def test_n_major_weights_equal_the_packed_ones_and_run_the_kernel():
+    """``JAXLLM_INT4_HOPPER=on``'s weights (Int4WeightNK, made by int4_n_major from one-layer
+    packed weights): the same dequantized weight, the same CPU result bit for bit, and the
+    Hopper kernel (interpreted) within bf16 rounding."""
+    from jaxllm.layers.linear import Int4Weight, Int4WeightNK, int4_n_major, linear
+
+    x, words, scales, zeros = _case(32, 256, 128, 128)
+    packed = Int4Weight(words, scales, zeros)
+    stacked = Int4Weight(words[None], scales[None], zeros[None])
+    converted = int4_n_major({"one": {"kernel": packed}, "stacked": stacked})
+    nk = converted["one"]["kernel"]
+    assert isinstance(nk, Int4WeightNK) and nk.shape == packed.shape and nk.group_size == 128
+    assert converted["stacked"] is stacked  # a stacked layout's weight is left as it is
+    np.testing.assert_array_equal(nk.dequantize(), packed.dequantize())
+    ref = np.asarray(linear(x, packed), np.float32)
+    np.testing.assert_array_equal(np.asarray(linear(x, nk), np.float32), ref)
+    out = np.asarray(linear(x, nk, int4_backend="pallas_interpret"), np.float32)
+    assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_engine_stores_n_major_weights_when_asked(monkeypatch):
+    """The engine under ``JAXLLM_INT4_HOPPER=on``: a dummy AWQ model's projections stored
+    N-major, the same greedy tokens as without (on CPU both are XLA's path); a bad value, or
+    the stacked layout, refused before anything runs."""
+    from tiny_models import TINY
+
+    import jaxllm
+    from jaxllm import ModelConfig, SamplingParams
+    from jaxllm.layers.linear import Int4WeightNK
+
+    model = jaxllm.load_model(load_format="dummy", config=ModelConfig(**TINY),
+                              quantization="awq", unroll_layers=True)
+    args = dict(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
+                unroll_layers=True, progress=False)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    tokens = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv("JAXLLM_INT4_HOPPER", setting)
+        llm = jaxllm.LLM(model, **args)
+        kernel = llm.engine.model.params["layers"][0]["mlp"]["down_proj"]["kernel"]
+        assert isinstance(kernel, Int4WeightNK) == (setting == "on")
+        tokens[setting] = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy)]
+    assert tokens["on"] == tokens["off"]
+    with pytest.raises(ValueError, match="needs the unrolled layers"):
+        model.with_layer_layout(False).with_int4_n_major(True)
+    monkeypatch.setenv("JAXLLM_INT4_HOPPER", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_INT4_HOPPER='yes' must be 'off' or 'on'"):
+        jaxllm.LLM(model, **args)

@@ -43,6 +43,7 @@ from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
 from jaxllm.engine.step_programs import stage_step_input
 from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.layers import fp8_kernels
+from jaxllm.layers.linear import int4_hopper_enabled
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampler_rows import needs_penalties
@@ -72,7 +73,8 @@ class LLMEngine(StepLauncher):
                                                                     jax.default_backend()))
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
-        stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
+        stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT or JAXLLM_INT4_HOPPER
+        int4_hopper_enabled()
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,
@@ -91,7 +93,7 @@ class LLMEngine(StepLauncher):
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
                 config.tensor_parallel_size, config.pipeline_parallel_size,
-            ).with_layer_layout(config.unroll_layers)
+            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_hopper_enabled())
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

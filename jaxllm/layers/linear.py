@@ -23,13 +23,17 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   packed on the device. On a GPU, a projection of at most :data:`INT4_GEMV_MAX_TOKENS`
   tokens runs the GEMV kernel of ``pallas_kernels/quantized_matmul`` (each packed word read
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
-  both dequantize in registers (decode reads a quarter of bf16's bytes). Elsewhere, for more
+  both dequantize in registers (decode reads a quarter of bf16's bytes); with
+  ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
+  and a Hopper GPU runs every token count through one Mosaic GPU kernel (untimed). Elsewhere,
+  for more
   tokens, under tensor parallelism, or for a shape the kernels cannot tile, XLA dequantizes
   the whole weight and dots it (the kernels' reference: CPU results are that path's).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -48,6 +52,13 @@ from jaxllm.pallas_kernels.quantized_matmul import (
     int4_matmul_reference,
     unsupported,
 )
+from jaxllm.pallas_kernels.quantized_matmul.hopper import (
+    centred_zeros_of,
+    hopper_weight,
+    int4_matmul_hopper_nk,
+)
+from jaxllm.pallas_kernels.quantized_matmul.hopper import unsupported as hopper_unsupported
+from jaxllm.pallas_kernels.quantized_matmul.reference import dequantize_nibbles
 from jaxllm.parallel.mesh import tensor_parallel_size
 
 INT8_MAX = 127
@@ -158,6 +169,76 @@ class Int4Weight:
         return dequantize_int4(self.qweight, self.scales, self.zeros, dtype)
 
 
+@flax.struct.dataclass
+class Int4WeightNK:
+    """An :class:`Int4Weight` with its nibbles stored as XLA's int4 [N, K] (q - 8, K
+    contiguous): the layout the Hopper kernel reads as wgmma's register operand. Made at load
+    from Int4Weight by :func:`int4_n_major` under ``JAXLLM_INT4_HOPPER=on`` (one device,
+    unrolled layers); the same bytes as the packed words, which it replaces."""
+
+    w: jax.Array  # int4 [N, K]
+    scales: jax.Array  # [G, N] as Int4Weight's
+    zeros: jax.Array  # [G, N] the zero points minus 8, in the scales' dtype (exact)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        n, k = self.w.shape
+        return (k, n)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[-2] // self.scales.shape[-2]
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        # (q - 8) - (z - 8): both centred, the same integers as q - z
+        return dequantize_nibbles(self.w.T.astype(jnp.int32), self.scales, self.zeros, dtype)
+
+
+# JAXLLM_INT4_HOPPER=on: on a Hopper GPU every 4-bit projection runs the Mosaic GPU kernel
+# (pallas_kernels/quantized_matmul/hopper.py, the weight as wgmma's register operand) over
+# weights stored N-major at load (Int4WeightNK), instead of the GEMV, the tiled Triton kernel
+# and XLA's dequantize and dot. Off until timed on the GPU (benchmarks/h200_accept.sh's i5,
+# t1ah). Read where the engine loads, so listed among the executable cache's program
+# variables (executable_cache.PROGRAM_ENV).
+INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
+
+
+def int4_hopper_enabled(environ=os.environ) -> bool:
+    """Whether ``JAXLLM_INT4_HOPPER`` is "on" ("off" when unset); a clear error for any other
+    value."""
+    value = environ.get(INT4_HOPPER_ENV, "").strip() or "off"
+    if value not in ("off", "on"):
+        raise ValueError(f"{INT4_HOPPER_ENV}={value!r} must be 'off' or 'on'")
+    return value == "on"
+
+
+def int4_n_major(params: Any) -> Any:
+    """``params`` with every one-layer :class:`Int4Weight` (2-D words: the unrolled layout)
+    as an :class:`Int4WeightNK` (new arrays; scales and zero points shared)."""
+    def convert(leaf):
+        if isinstance(leaf, Int4Weight) and leaf.qweight.ndim == 2:
+            return Int4WeightNK(jax.jit(hopper_weight)(leaf.qweight), leaf.scales,
+                                centred_zeros_of(leaf.zeros, leaf.scales.dtype))
+        return leaf
+
+    return jax.tree.map(convert, params, is_leaf=lambda x: isinstance(x, Int4Weight))
+
+
+def _int4_nk_matmul(x: jax.Array, kernel: Int4WeightNK, backend: str) -> jax.Array:
+    """An N-major 4-bit projection: the Hopper kernel where it runs (a GPU, or interpreted),
+    else its weight dequantized one layer at a time and dotted by XLA."""
+    if backend == "auto":
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    k, n = kernel.shape
+    tokens = x.size // k
+    if backend != "xla" and hopper_unsupported(tokens, k, n, kernel.group_size) is None:
+        return int4_matmul_hopper_nk(x, kernel.w, kernel.scales, kernel.zeros,
+                                     group_size=kernel.group_size, centred_zeros=True,
+                                     interpret=backend == "pallas_interpret")
+    x, weight = _after_input(x, kernel)
+    return jnp.dot(x, weight.dequantize(x.dtype))
+
+
 # Token counts up to this run the 4-bit kernel on a GPU; more go through XLA's dequantize and
 # cuBLAS, where the weight is read once for many tokens and the kernel's small tiles lose.
 INT4_KERNEL_MAX_TOKENS = 64
@@ -249,6 +330,8 @@ def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
         return fp8_matmul(x.q, x.scale, kernel, x.dtype)
     if isinstance(kernel, Fp8Weight):
         return fp8_matmul(*quantize_tokens_fp8(x), kernel, x.dtype)
+    if isinstance(kernel, Int4WeightNK):
+        return _int4_nk_matmul(x, kernel, int4_backend)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
         impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(
@@ -277,7 +360,7 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = (x.shape[-1], self.features)
         kernel = self.get_variable("params", "kernel")
-        if isinstance(kernel, (Int4Weight, Fp8Weight)):
+        if isinstance(kernel, (Int4Weight, Int4WeightNK, Fp8Weight)):
             # Flax's param() checks the first leaf's shape: the packed words [K/8, N], the
             # transposed FP8 weight [N, K].
             assert kernel.shape == shape, (kernel.shape, shape)

@@ -6,7 +6,8 @@ dequantize in registers (pass ``interpret=True`` to run them on CPU);
 :func:`int4_matmul_reference`, with the same signature, dequantizes the whole weight in XLA and
 is the spec; :func:`int4_matmul_xla_int4` is the same product for many tokens through XLA's own
 int4 GEMM (no bf16 copy of the weight); :func:`int4_matmul_hopper` (hopper.py) is a Mosaic GPU
-kernel for Hopper with the weight as wgmma's register operand (untimed, not in the engine).
+kernel for Hopper with the weight as wgmma's register operand (untimed; the engine's under
+``JAXLLM_INT4_HOPPER=on``).
 :func:`gemv_unsupported` and :func:`unsupported` say why a shape cannot go through the Triton
 kernels (callers then use the reference).
 """

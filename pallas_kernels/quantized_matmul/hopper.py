@@ -2,7 +2,8 @@
 register operand, upcast and dequantized in registers, for the AWQ engine's mid-size steps.
 
 NOTE: lowered for sm_90a and run by JAX's GPU interpreter on CPU (tests/test_int4_hopper.py);
-never compiled or timed on a GPU, not in the engine. The Triton kernels cannot do this: in
+never compiled or timed on a GPU. The engine runs it only under ``JAXLLM_INT4_HOPPER=on`` (off
+by default; the weights then stored N-major at load: ``jaxllm.layers.linear.Int4WeightNK``). The Triton kernels cannot do this: in
 their sm_90 SASS the unpacked weight reaches wgmma through shared memory one bf16 at a time
 (benchmarks/RESULTS.md, 2026-12-05).
 
@@ -27,7 +28,7 @@ tiles in turn::
 
 :func:`int4_matmul_hopper` has the signature of :func:`~.reference.int4_matmul_reference` (it
 converts the weight on each call: for tests and the benchmark's comparison);
-:func:`int4_matmul_hopper_nk` takes the converted weight (what an engine would store).
+:func:`int4_matmul_hopper_nk` takes the converted weight (what the engine stores).
 """
 
 from __future__ import annotations
@@ -111,6 +112,12 @@ def hopper_weight(qweight: jax.Array) -> jax.Array:
     return centred_nibbles(qweight).T
 
 
+def centred_zeros_of(zeros: jax.Array, dtype) -> jax.Array:
+    """The zero points u8[G, N] as ``z - 8`` in ``dtype`` (exact: small integers), as the
+    kernel applies them to the centred nibbles."""
+    return (zeros.astype(jnp.int32) - CENTRE).astype(dtype)
+
+
 def _swizzled(minor_bits: int, elem_bits: int, what: str):
     swizzle = plgpu.find_swizzle(minor_bits, what)
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
@@ -125,10 +132,13 @@ def int4_matmul_hopper_nk(
     group_size: int,
     interpret: bool = False,
     config: HopperInt4Config | None = None,
+    centred_zeros: bool = False,
 ) -> jax.Array:  # [.., N] in x's dtype
     """``x @ W`` with W[k, n] = (q[k, n] - zeros[k // g, n]) scales[k // g, n], the weight as
     :func:`hopper_weight` gives it; raises ValueError for a shape :func:`unsupported`
-    names. ``config`` None: :func:`config_for` the tokens."""
+    names. ``config`` None: :func:`config_for` the tokens. ``centred_zeros``: ``zeros`` are
+    already ``z - 8`` in x's dtype and ``scales`` in x's dtype (stored so: no conversion a
+    call)."""
     *lead, k = x.shape
     n, k_w = weight.shape
     x2 = x.reshape(-1, k)  # [M, K]
@@ -142,7 +152,7 @@ def int4_matmul_hopper_nk(
     m_pad = pl.cdiv(m, tile_tokens) * tile_tokens
     xp = jnp.pad(x2, ((0, m_pad - m), (0, 0)))  # [M', K]
     s = scales.astype(dtype)  # [G, N]
-    z = (zeros.astype(jnp.int32) - CENTRE).astype(dtype)  # [G, N]: exact
+    z = zeros.astype(dtype) if centred_zeros else centred_zeros_of(zeros, dtype)  # [G, N]
     rows = 2 * WGMMA_ROWS  # a program's tile of the weight's rows
     row_tiles, token_tiles = n // rows, m_pad // tile_tokens
     num_programs = config.num_programs or (2 if interpret else _num_sms())

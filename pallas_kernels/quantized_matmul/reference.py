@@ -23,9 +23,16 @@ def unpack_int4(qweight: jax.Array) -> jax.Array:
 def dequantize_int4(qweight: jax.Array, scales: jax.Array, zeros: jax.Array,
                     dtype=jnp.float32) -> jax.Array:
     """W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n], q as :func:`unpack_int4`."""
-    *lead, words, n = qweight.shape
-    k, groups = words * PER_WORD, scales.shape[-2]
-    q = unpack_int4(qweight).reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
+    return dequantize_nibbles(unpack_int4(qweight), scales, zeros, dtype)
+
+
+def dequantize_nibbles(q: jax.Array, scales: jax.Array, zeros: jax.Array,
+                       dtype=jnp.float32) -> jax.Array:
+    """W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n] for the 4-bit values
+    q i32[.., K, N] (0-15) however they were stored."""
+    *lead, k, n = q.shape
+    groups = scales.shape[-2]
+    q = q.reshape(*lead, groups, k // groups, n)  # [.., G, g, N]
     w = (q - zeros[..., :, None, :].astype(jnp.int32)).astype(dtype) * \
         scales[..., :, None, :].astype(dtype)
     return w.reshape(*lead, k, n)
