@@ -3,9 +3,9 @@ register operand, upcast and dequantized in registers, for the AWQ engine's mid-
 
 NOTE: lowered for sm_90a and run by JAX's GPU interpreter on CPU (tests/test_int4_hopper.py);
 never compiled or timed on a GPU. The engine runs it only under ``JAXLLM_INT4_HOPPER=on`` (off
-by default; the weights then stored N-major at load: ``jaxllm.layers.linear.Int4WeightNK``). The Triton kernels cannot do this: in
-their sm_90 SASS the unpacked weight reaches wgmma through shared memory one bf16 at a time
-(benchmarks/RESULTS.md, 2026-12-05).
+by default; the weights then stored N-major at load: ``jaxllm.layers.linear.Int4WeightNK``).
+The Triton kernels cannot do this: in their sm_90 SASS the unpacked weight reaches wgmma
+through shared memory one bf16 at a time (benchmarks/RESULTS.md, 2026-12-05).
 
 The product is computed transposed, y^T [N, M] = W^T [N, K] x^T [K, M], so that the weight is
 wgmma's A operand, which may live in registers: each compute warpgroup loads its [64, tile_k]
