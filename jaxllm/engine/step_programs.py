@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.batch import PackedBatch
+from jaxllm.env_settings import env_switch
 from jaxllm.kv_pool import copy_blocks
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.llama import make_forward
@@ -39,10 +40,7 @@ STAGE_STEP_INPUT_ENV = "JAXLLM_STAGE_STEP_INPUT"
 def stage_step_input(environ=os.environ) -> bool:
     """Whether ``JAXLLM_STAGE_STEP_INPUT`` is "on" ("off" when unset); a clear error for any
     other value."""
-    value = environ.get(STAGE_STEP_INPUT_ENV, "").strip() or "off"
-    if value not in ("off", "on"):
-        raise ValueError(f"{STAGE_STEP_INPUT_ENV}={value!r} must be 'off' or 'on'")
-    return value == "on"
+    return env_switch(environ, STAGE_STEP_INPUT_ENV)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxllm.env_settings import env_choice
 from jaxllm.layers.linear import Fp8Activation, Fp8Weight
 from jaxllm.pallas_kernels.activation_quant import rmsnorm_fp8, rmsnorm_quantize_fp8
 from jaxllm.parallel.mesh import tensor_parallel_size
@@ -36,21 +37,14 @@ NORM_KERNEL_ENV = "JAXLLM_FP8_NORM_KERNEL"
 NORM_KERNELS = ("off", "on")
 
 
-def _setting(environ, name: str, choices) -> str:
-    value = environ.get(name, "").strip() or "off"
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
-    return value
-
-
 def swiglu_kernel_setting(environ=os.environ) -> str:
     """``JAXLLM_FP8_SWIGLU_KERNEL``'s value ("off" when unset); a clear error for any other."""
-    return _setting(environ, SWIGLU_KERNEL_ENV, SWIGLU_KERNELS)
+    return env_choice(environ, SWIGLU_KERNEL_ENV, SWIGLU_KERNELS)
 
 
 def norm_kernel_enabled(environ=os.environ) -> bool:
     """Whether ``JAXLLM_FP8_NORM_KERNEL`` is "on"; a clear error for a value not listed."""
-    return _setting(environ, NORM_KERNEL_ENV, NORM_KERNELS) == "on"
+    return env_choice(environ, NORM_KERNEL_ENV, NORM_KERNELS) == "on"
 
 
 def check_settings(environ=os.environ) -> None:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from jaxllm.env_settings import env_switch
 from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
@@ -206,10 +207,7 @@ INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
 def int4_hopper_enabled(environ=os.environ) -> bool:
     """Whether ``JAXLLM_INT4_HOPPER`` is "on" ("off" when unset); a clear error for any other
     value."""
-    value = environ.get(INT4_HOPPER_ENV, "").strip() or "off"
-    if value not in ("off", "on"):
-        raise ValueError(f"{INT4_HOPPER_ENV}={value!r} must be 'off' or 'on'")
-    return value == "on"
+    return env_switch(environ, INT4_HOPPER_ENV)
 
 
 def int4_n_major(params: Any) -> Any:

@@ -1,0 +1,28 @@
+"""How the ``JAXLLM_*`` switches that change compiled programs are read from the environment:
+a value from a fixed set, "off" when unset or blank, surrounding spaces ignored, and a clear
+error naming the variable for anything else. What each switch does is documented beside its
+use; every one is listed in the executable cache's key (``executable_cache.PROGRAM_ENV``)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+
+
+def _value(environ: Mapping[str, str], name: str) -> str:
+    return environ.get(name, "").strip() or "off"
+
+
+def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str]) -> str:
+    """``name``'s value, one of ``choices``."""
+    value = _value(environ, name)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
+    return value
+
+
+def env_switch(environ: Mapping[str, str], name: str) -> bool:
+    """Whether the on/off switch ``name`` is "on"."""
+    value = _value(environ, name)
+    if value not in ("off", "on"):
+        raise ValueError(f"{name}={value!r} must be 'off' or 'on'")
+    return value == "on"
