@@ -74,7 +74,7 @@ class LLMEngine(StepLauncher):
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT or JAXLLM_INT4_HOPPER
-        int4_hopper_enabled()
+        int4_n_major = int4_hopper_enabled()
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,
@@ -93,7 +93,7 @@ class LLMEngine(StepLauncher):
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
                 config.tensor_parallel_size, config.pipeline_parallel_size,
-            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_hopper_enabled())
+            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_n_major)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

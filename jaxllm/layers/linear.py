@@ -25,10 +25,10 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
   both dequantize in registers (decode reads a quarter of bf16's bytes); with
   ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
-  and a Hopper GPU runs every token count through one Mosaic GPU kernel (untimed). Elsewhere,
-  for more
-  tokens, under tensor parallelism, or for a shape the kernels cannot tile, XLA dequantizes
-  the whole weight and dots it (the kernels' reference: CPU results are that path's).
+  and a Hopper GPU runs every token count through one Mosaic GPU kernel (untimed).
+  Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
+  tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
+  that path's).
 """
 
 from __future__ import annotations
@@ -212,10 +212,12 @@ def int4_hopper_enabled(environ=os.environ) -> bool:
 
 def int4_n_major(params: Any) -> Any:
     """``params`` with every one-layer :class:`Int4Weight` (2-D words: the unrolled layout)
-    as an :class:`Int4WeightNK` (new arrays; scales and zero points shared)."""
+    as an :class:`Int4WeightNK` (new arrays; the scales shared)."""
+    n_major = jax.jit(hopper_weight)
+
     def convert(leaf):
         if isinstance(leaf, Int4Weight) and leaf.qweight.ndim == 2:
-            return Int4WeightNK(jax.jit(hopper_weight)(leaf.qweight), leaf.scales,
+            return Int4WeightNK(n_major(leaf.qweight), leaf.scales,
                                 centred_zeros_of(leaf.zeros, leaf.scales.dtype))
         return leaf
 
