@@ -82,14 +82,18 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ("
                           + "|".join(map(re.escape, LAUNCHING)) + r")\(")
 
 
+def _entry_instructions(hlo_text: str) -> list[str]:
+    """The instruction lines of a compiled module's entry computation."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    return entry[:entry.index("\n}")].splitlines()[1:]
+
+
 def count_kernels(hlo_text: str) -> collections.Counter:
     """Launches of a compiled module's entry computation, by kind: a fusion by its name's stem
     (``loop_add_fusion``, ``gemm_fusion_dot``), a custom call by its target, other ops by
     opcode. ``bitcast``s, tuples, parameters and constants launch nothing."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
     kinds = collections.Counter()
-    for line in entry.splitlines()[1:]:
+    for line in _entry_instructions(hlo_text):
         match = _INSTRUCTION.match(line)
         if match is None:
             continue
@@ -108,10 +112,8 @@ def parameter_readers(hlo_text: str, number: int) -> int:
     """Launching instructions of a compiled module's entry that read entry parameter
     ``number``, directly or through bitcasts and tuples (which alias it): on a GPU, the
     commands of the step's graph that XLA re-records when that buffer's address changed."""
-    entry = hlo_text[hlo_text.index("\nENTRY"):]
-    entry = entry[:entry.index("\n}")]
     aliases, readers = set(), 0
-    for line in entry.splitlines()[1:]:
+    for line in _entry_instructions(hlo_text):
         match = re.match(r"\s*(?:ROOT\s+)?%([\w.\-]+) = .*? ([\w\-]+)\((.*)", line)
         if match is None:
             continue
