@@ -229,7 +229,7 @@ only17() {
       tests/test_int4_hopper.py
     if picked i5 && grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
       step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
-        --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --copies 8 \
+        --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --hopper-sweep --copies 8 \
         --iters 20 --output-json "$DIR/i5_int4_hopper.json"
       # the AWQ engine with every projection through it (JAXLLM_INT4_HOPPER=on: the weights
       # stored N-major at load): offline, and the decode steps at 1 / 64 / 256 rows

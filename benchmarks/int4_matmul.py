@@ -77,6 +77,13 @@ GEMV_MODES = [
 ]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
+# The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
+# program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)
+HOPPER_SWEEP = [
+    ("6 stages", dict(max_concurrent_steps=6)),
+    ("8 stages", dict(max_concurrent_steps=8)),
+    ("k64, 8 stages", dict(tile_k=64, max_concurrent_steps=8)),
+]
 GEMV_BEFORE = {
     (1, 4096, 6144): dict(block_n=256, num_warps=8),
     (1, 4096, 4096): dict(num_warps=2),
@@ -124,6 +131,7 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         gemv_unsupported,
         unsupported,
     )
+    from jaxllm.pallas_kernels.quantized_matmul.hopper import config_for as hopper_config_for
     from jaxllm.pallas_kernels.quantized_matmul.hopper import unsupported as hopper_unsupported
 
     variants = {"bf16": ("bf16", None)}
@@ -133,6 +141,10 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         variants["xla int4 gemm"] = ("xla_int4", None)
     if args.hopper and hopper_unsupported(tokens, k, n, group) is None:
         variants["hopper kernel"] = ("hopper", None)
+        for label, kwargs in HOPPER_SWEEP if args.hopper_sweep else ():
+            config = dataclasses.replace(hopper_config_for(tokens), **kwargs)
+            if hopper_unsupported(tokens, k, n, group, config) is None:
+                variants[f"hopper {label}"] = ("hopper", config)
     if unsupported(tokens, k, n, group) is None:
         variants["matmul kernel"] = ("matmul", None)
         if args.one_dot:
@@ -357,6 +369,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper", action="store_true",
                         help="also the Hopper kernel (Mosaic GPU, the weight as int4 [N, K] "
                         "converted before the timing; pallas_kernels/quantized_matmul/hopper.py)")
+    parser.add_argument("--hopper-sweep", action="store_true",
+                        help="with --hopper: also its pipeline depths and step sizes "
+                        "(HOPPER_SWEEP; a config past the shared memory fails alone)")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in interpret mode (a CPU smoke run: --models tiny)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")
