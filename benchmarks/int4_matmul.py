@@ -75,8 +75,6 @@ GEMV_MODES = [
     ("splits atomic", dict(splits_sum="atomic")),
     ("splits last", dict(splits_sum="last")),
 ]
-# --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
-# loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
 # The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
 # program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)
 HOPPER_SWEEP = [
@@ -84,6 +82,8 @@ HOPPER_SWEEP = [
     ("8 stages", dict(max_concurrent_steps=8)),
     ("k64, 8 stages", dict(tile_k=64, max_concurrent_steps=8)),
 ]
+# --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
+# loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
 GEMV_BEFORE = {
     (1, 4096, 6144): dict(block_n=256, num_warps=8),
     (1, 4096, 4096): dict(num_warps=2),
