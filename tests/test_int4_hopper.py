@@ -15,6 +15,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference
 from jaxllm.pallas_kernels.quantized_matmul.hopper import (
     HopperInt4Config,
+    config_for,
     hopper_weight,
     int4_matmul_hopper,
     unsupported,
@@ -53,7 +54,10 @@ def _check(args, group, config, interpret):
     (20, 512, 128, 128, HopperInt4Config(tile_tokens=32), ()),
     # four splits of one group each, over four tiles
     (40, 512, 256, 128, HopperInt4Config(tile_tokens=32, num_splits=4), ()),
-], ids=["tiles_over_programs", "one_token", "group_64", "split_k_auto", "split_k_4"])
+    # config_for's: a 16-token tile with 8 stages, K of 8 steps (every slot filled once)
+    (3, 1024, 128, 128, None, ()),
+], ids=["tiles_over_programs", "one_token", "group_64", "split_k_auto", "split_k_4",
+        "few_tokens_default"])
 def test_interpreted_kernel_equals_reference(tokens, k, n, group, config, lead):
     _check(_case(tokens, k, n, group, seed=tokens, lead=lead), group, config, interpret=True)
 
@@ -65,15 +69,16 @@ def test_weight_is_the_centred_nibbles_n_major():
     np.testing.assert_array_equal(np.asarray(w, np.int32), np.asarray(unpack_int4(words)).T - 8)
 
 
-def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(monkeypatch):
-    """Llama-3-8B's gate_up at 128 tokens, the default config, lowered for sm_90a on a
-    machine without a GPU."""
+@pytest.mark.parametrize("tokens", [1, 128])
+def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(monkeypatch, tokens):
+    """Llama-3-8B's gate_up at 1 and 128 tokens, config_for's configs (shared memory checked
+    at lowering), lowered for sm_90a on a machine without a GPU."""
     from jaxllm.pallas_kernels.quantized_matmul import hopper
 
     monkeypatch.setattr(hopper, "_num_sms", lambda: 132)
     k, n, group = 4096, 28672, 128
-    shapes = [((128, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
-              ((k // group, n), jnp.uint8)]
+    shapes = [((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32),
+              ((k // group, n), jnp.bfloat16), ((k // group, n), jnp.uint8)]
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
     h200 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
         device_kind="NVIDIA H200", num_cores=132, platform="gpu"))
@@ -98,6 +103,11 @@ def test_refuses_what_it_cannot_take():
                                                      HopperInt4Config(num_splits=3))
     # decode at Llama-3-8B's qkv: 48 tiles split to fill 132 programs
     assert HopperInt4Config().splits(48, 4096, 128, 132) == 4
+    # config_for: deeper pipelines for the 16-token tile only (the 128-token tile's 4 stages
+    # already fill the shared memory)
+    assert config_for(1) == config_for(16) == HopperInt4Config(
+        tile_tokens=16, max_concurrent_steps=8)
+    assert config_for(17).max_concurrent_steps == config_for(500).max_concurrent_steps == 4
 
 
 @pytest.mark.gpu
