@@ -43,9 +43,10 @@
 #   decode steps at 1 (bf16, AWQ) and 64 rows (bf16) with the step's batch staged in the
 #   forward's temporaries (JAXLLM_STAGE_STEP_INPUT) against today's (~6 minutes); "e1t": the
 #   same at 1 row under XLA's SKIP_TEMP command-buffer mode (~4 minutes); "i5": the Hopper int4
-#   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (~6 minutes);
-#   "i5 t1ah": then the AWQ engine through it (JAXLLM_INT4_HOPPER=on), offline and its decode
-#   steps at 1 / 64 / 256 rows (~5 minutes more), beside "t1a l16"
+#   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (> 145 s:
+#   cut after gate_up on 2026-12-05); "t1ah": g9, then the AWQ engine through it
+#   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
+#   beside "t1a l16"
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -222,15 +223,18 @@ only17() {
       --output-json $DIR/l8_skip_temp.json; $PY $small --output-json $DIR/l8_bf16.json"
     # the tiled int4 kernel with one dot a step (never timed) against XLA's dequantize + dot
     # at the AWQ engine's mid-size steps (XLA's path above 64 tokens: 1.6-2.1x bf16's steps)
-    # The Hopper int4 kernel (Mosaic GPU, the weight as wgmma's register operand; never run on
-    # a GPU before): its GPU tests, then timed beside bf16 and XLA's path at the AWQ engine's
-    # decode and mid-size steps (i5 only when g9 passed)
-    picked i5 && step g9_int4_hopper_tests 40 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-      tests/test_int4_hopper.py
-    if picked i5 && grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
-      step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
-        --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --hopper-sweep --copies 8 \
-        --iters 20 --output-json "$DIR/i5_int4_hopper.json"
+    # The Hopper int4 kernel (Mosaic GPU, the weight as wgmma's register operand; first run on
+    # the H200 on 2026-12-05 at 16beaaf): its GPU tests (g9), then, only when they passed, i5
+    # (timed beside bf16 and XLA's path at the AWQ engine's decode and mid-size steps) and
+    # t1ah (the AWQ engine through it); "t1ah" alone skips i5's ~150 s
+    if picked i5 || picked t1ah; then
+      step g9_int4_hopper_tests 40 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_int4_hopper.py
+    fi
+    if grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
+      picked i5 && step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+        --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --hopper-sweep \
+        --copies 8 --iters 20 --output-json "$DIR/i5_int4_hopper.json"
       # the AWQ engine with every projection through it (JAXLLM_INT4_HOPPER=on: the weights
       # stored N-major at load): offline, and the decode steps at 1 / 64 / 256 rows
       picked t1ah && step t1ah_sharegpt_awq_hopper 150 300 env JAXLLM_INT4_HOPPER=on $PY \
