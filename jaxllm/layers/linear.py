@@ -198,9 +198,10 @@ class Int4WeightNK:
 # JAXLLM_INT4_HOPPER=on: on a Hopper GPU every 4-bit projection runs the Mosaic GPU kernel
 # (pallas_kernels/quantized_matmul/hopper.py, the weight as wgmma's register operand) over
 # weights stored N-major at load (Int4WeightNK), instead of the GEMV, the tiled Triton kernel
-# and XLA's dequantize and dot. Off until timed on the GPU (benchmarks/h200_accept.sh's i5,
-# t1ah). Read where the engine loads, so listed among the executable cache's program
-# variables (executable_cache.PROGRAM_ENV).
+# and XLA's dequantize and dot. Off until the engine is timed through it (h200_accept.sh's
+# t1ah): alone on the H200 it beat XLA's path 3.2x at 128 tokens and lost to the GEMV at 1-16
+# (RESULTS.md, 2026-12-05, i5). Read where the engine loads, so listed among the executable
+# cache's program variables (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
 
 
