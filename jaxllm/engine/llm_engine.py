@@ -73,8 +73,8 @@ class LLMEngine(StepLauncher):
                                                                     jax.default_backend()))
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
-        stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT or JAXLLM_INT4_HOPPER
-        int4_n_major = int4_hopper_enabled()
+        stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
+        int4_n_major = int4_hopper_enabled()  # and a bad JAXLLM_INT4_HOPPER
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,

@@ -25,7 +25,8 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
   both dequantize in registers (decode reads a quarter of bf16's bytes); with
   ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
-  and a Hopper GPU runs every token count through one Mosaic GPU kernel (untimed).
+  and a Hopper GPU runs every token count through one Mosaic GPU kernel (timed alone on the
+  H200, not yet in the engine).
   Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
   tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
   that path's).

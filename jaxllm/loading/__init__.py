@@ -87,7 +87,6 @@ class LoadedModel:
                   else stack_layer_params(self.params))
         return dataclasses.replace(self, params=params)
 
-
     def with_int4_n_major(self, enabled: bool) -> LoadedModel:
         """This model with its 4-bit weights stored N-major for the Hopper kernel
         (``JAXLLM_INT4_HOPPER=on``: :func:`jaxllm.layers.linear.int4_n_major`), on one device

@@ -6,8 +6,8 @@ dequantize in registers (pass ``interpret=True`` to run them on CPU);
 :func:`int4_matmul_reference`, with the same signature, dequantizes the whole weight in XLA and
 is the spec; :func:`int4_matmul_xla_int4` is the same product for many tokens through XLA's own
 int4 GEMM (no bf16 copy of the weight); :func:`int4_matmul_hopper` (hopper.py) is a Mosaic GPU
-kernel for Hopper with the weight as wgmma's register operand (untimed; the engine's under
-``JAXLLM_INT4_HOPPER=on``).
+kernel for Hopper with the weight as wgmma's register operand (timed alone on the H200; the
+engine's under ``JAXLLM_INT4_HOPPER=on``, not yet timed there).
 :func:`gemv_unsupported` and :func:`unsupported` say why a shape cannot go through the Triton
 kernels (callers then use the reference).
 """
