@@ -46,7 +46,8 @@
 #   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (> 145 s:
 #   cut after gate_up on 2026-12-05); "t1ah": g9, then the AWQ engine through it
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
-#   beside "t1a l16"
+#   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
+#   the LM head and the attention kernel timed by position in the step (--sequence)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -243,6 +244,9 @@ only17() {
       picked t1ah && step l16h_latency_awq_hopper 40 200 bash -c "JAXLLM_INT4_HOPPER=on \
         $PY ${LATENCY//$'\n'/ } -q awq --output-json $DIR/l16h_awq_hopper.json"
     fi
+    picked p1s && step p1s_profile_awq_b1_sequence 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE \
+      --quantization awq --sequence "gemv|gemm|attention" --out-dir "$DIR/p1s"
+    rm -rf "$DIR"/p1s/trace
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"

@@ -53,6 +53,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="START:COUNT steps of the second pass profiled with cProfile")
     parser.add_argument("--out-dir", default="step_profile")
     parser.add_argument("--top", type=int, default=25, help="rows in each printed table")
+    parser.add_argument("--sequence", default=None, metavar="REGEX",
+                        help="kernels whose name matches: their durations by position within a "
+                        "traced step (median over the steps), e.g. 'gemv|gemm' gives each "
+                        "projection of each layer of a decode step apart")
     parser.add_argument("--gemv-overrides", default=None,
                         help="Int4GemvConfig fields put over every config the int4 GEMV picks "
                         "(not the dot configs), e.g. 'splits_sum=last,x_in_kernel=True': an "
@@ -97,9 +101,23 @@ def _kernel_group(name: str) -> str:
     return re.sub(r"(_\d+)+$|\.\d+$", "", name)[:90]
 
 
-def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
+def step_sequence(kernels: list[tuple[str, int, int]], steps: int, pattern: str) -> dict:
+    """The kernels matching ``pattern`` in launch order, split into ``steps`` equal runs (the
+    traced steps, all of one shape): each position's median duration (us) and name."""
+    picked = [(name, d) for name, _, d in sorted(kernels, key=lambda k: k[1])
+              if re.search(pattern, name)]
+    if not steps or not picked or len(picked) % steps:
+        return {"error": f"{len(picked)} kernels matching {pattern!r} over {steps} steps"}
+    per_step = len(picked) // steps
+    durations = np.array([d for _, d in picked], dtype=float).reshape(steps, per_step)
+    return {"pattern": pattern, "per_step": per_step,
+            "names": [_kernel_group(name) for name, _ in picked[:per_step]],
+            "median_us": [round(float(x), 2) for x in np.median(durations, axis=0) / 1e3]}
+
+
+def summarize_trace(path: str, steps: list[dict], top: int, sequence: str | None = None) -> dict:
     """Device-side figures of one ``xplane.pb`` (see the module docstring); ``steps`` are the
-    traced steps' shapes (``_step_info``)."""
+    traced steps' shapes (``_step_info``); ``sequence``: a regex for :func:`step_sequence`."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(path)
@@ -126,7 +144,7 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
         if end is not None and start > end:  # the device waited for this kernel's launch
             group[2] += start - end
         end = start + d if end is None else max(end, start + d)
-    return {
+    summary = {
         "trace": path, "steps": len(steps), "span_ms": span_ns / 1e6, "busy_ms": busy_ns / 1e6,
         "busy_fraction": busy_ns / span_ns, "device_lines": dict(lines),
         "idle_gaps_ms": {"count_over_50us": int(long_idle.size),
@@ -140,6 +158,10 @@ def summarize_trace(path: str, steps: list[dict], top: int) -> dict:
                     for k, (c, t, idle) in sorted(by_kernel.items(),
                                                   key=lambda kv: -kv[1][1])[:top]],
     }
+    if sequence:
+        summary["sequence"] = step_sequence(
+            [k for k in kernels if not k[0].startswith("Memcpy")], len(steps), sequence)
+    return summary
 
 
 def _step_info(engine) -> dict | None:
@@ -224,7 +246,7 @@ def run(args) -> None:
         profiler.disable()
 
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    result["device"] = summarize_trace(paths[-1], traced, args.top) if paths else {
+    result["device"] = summarize_trace(paths[-1], traced, args.top, args.sequence) if paths else {
         "error": "no trace written (the run had fewer steps than --trace-steps' start)"}
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
@@ -255,6 +277,12 @@ def _print(result: dict, host: str) -> None:
         for k in dev["kernels"]:
             print(f"  {k['kernel']:90s} {k['count']:6d} {k['total_ms']:8.1f} "
                   f"{100 * k['share']:4.1f}%")
+        if "sequence" in dev:
+            seq = dev["sequence"]
+            print(f"  sequence {seq}" if "error" in seq else
+                  f"  {seq['pattern']!r}, {seq['per_step']} a step, median us by position: "
+                  + " ".join(f"{n}={u}" for n, u in zip(seq["names"][:12], seq["median_us"][:12],
+                                                            strict=True)))
     print("\nhost (cProfile, by own time):")
     print("\n".join(host.splitlines()[:45]))
 

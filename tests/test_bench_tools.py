@@ -87,6 +87,24 @@ def test_step_profile_reads_the_shape_of_the_launched_step():
     assert _step_info(types.SimpleNamespace(_inflight=None)) is None
 
 
+def test_step_profile_sequence_gives_each_position_of_a_step_apart():
+    """``--sequence``: the matching kernels in launch order, one median a position over the
+    traced steps (a layer's projections told apart), and a clear error when the count does not
+    split into the steps."""
+    from jaxllm.benchmarks.step_profile import step_sequence
+
+    kernels, t = [], 0
+    for step in range(3):
+        for name, us in (("int4_gemv_1", 10), ("fusion_2", 99), ("int4_gemv_3", 40 + step)):
+            kernels.append((name, t, us * 1000))
+            t += 100_000
+    kernels.reverse()  # launch order comes from the start times, not the list's order
+    seq = step_sequence(kernels, 3, "gemv")
+    assert seq == {"pattern": "gemv", "per_step": 2, "names": ["int4_gemv", "int4_gemv"],
+                   "median_us": [10.0, 41.0]}
+    assert "error" in step_sequence(kernels, 4, "gemv")
+
+
 def test_prefill_anatomy_splits_a_kernel_profile_by_role_and_scope(tmp_path):
     """``prefill_anatomy`` reads Mosaic GPU's on-device profile (a Chrome trace: a trace per
     warpgroup of each program, cycles within a trace): each scope's share of its role's span,
