@@ -137,7 +137,11 @@ only17() {
     # newly transferred every call (as the engine's) and at one address (launch_anatomy's
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
+    export -f graph_updates_skip_temp
     picked cb && step cb_graph_updates 240 420 bash -c "DIR=$DIR PY=$PY graph_updates"
+    # cb1: the AWQ batch-1 step alone, default then SKIP_TEMP (~3 minutes)
+    picked cb1 && step cb1_graph_updates_awq 120 300 bash -c "DIR=$DIR PY=$PY CB_QUANTS=awq \
+      CB_EXTRAS=skip_temp graph_updates"
     # The engine's small decode steps with the step's batch read from a copy in the forward's
     # temporaries (JAXLLM_STAGE_STEP_INPUT=on: one command of the step's graph reads the new
     # batch instead of ~130) against today's, off then on for each: bf16 and AWQ at one
@@ -295,7 +299,7 @@ staged_steps() {
 CB_VMODULE=command_buffer_thunk=3,command_executor=1,command_buffer_cmd=1,command_buffer_cmd_executor=1
 graph_updates() {
   local q
-  for q in bf16 awq; do
+  for q in ${CB_QUANTS:-bf16 awq}; do
     local quant="" log="$DIR/cb_$q.vlog"
     [ "$q" = awq ] && quant="--quantization awq"
     # shellcheck disable=SC2086
@@ -305,6 +309,7 @@ graph_updates() {
     $PY -m jaxllm.benchmarks.command_buffer_log "$log" --output-json "$DIR/cb_graphs_$q.json"
     tail -n 40 "$log" > "$DIR/cb_$q.vlog_tail" && rm -f "$log"
   done
+  [[ " ${CB_EXTRAS:-x skip_temp} " == *" x "* ]] || { graph_updates_skip_temp; return; }
   # the GEMV reading x itself (128 fewer kernels) made the engine's AWQ batch-1 step slower on
   # the host, 9.2 against 5.2 ms (2026-12-03), for a reason not found: its graph updates
   TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
@@ -314,6 +319,11 @@ graph_updates() {
   $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_x.vlog" \
     --output-json "$DIR/cb_graphs_awq_x.json"
   tail -n 40 "$DIR/cb_awq_x.vlog" > "$DIR/cb_awq_x.vlog_tail" && rm -f "$DIR/cb_awq_x.vlog"
+  graph_updates_skip_temp
+}
+
+graph_updates_skip_temp() {
+  [[ " ${CB_EXTRAS:-x skip_temp} " == *" skip_temp "* ]] || return 0
   # XLA's SKIP_TEMP update mode ignores moved temporaries: with the batch at a new and at one
   # address, the 2 x 2 with the default above says which moved allocations cost the launch
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" \
