@@ -137,6 +137,9 @@ only17() {
     # newly transferred every call (as the engine's) and at one address (launch_anatomy's
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
+    export -f launch_matrix
+    picked lm && step lm_launch_matrix 300 560 bash -c "DIR=$DIR PY=$PY LM_SKIP='$LM_SKIP' \
+      LM_CASES='${LM_CASES//$'\n'/ }' LM_ONLY='${LM_ONLY:-}' launch_matrix"
     export -f graph_updates_skip_temp
     picked cb && step cb_graph_updates 240 420 bash -c "DIR=$DIR PY=$PY graph_updates"
     # cb1: the AWQ batch-1 step alone, default then SKIP_TEMP (~3 minutes)
@@ -290,6 +293,35 @@ staged_steps() {
         --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 --unroll-layers $quant \
         --output-json "$DIR/e1_${E1_TAG:-}${q}_b${rows}_stage_$stage.json"
     done
+  done
+}
+
+# lm: the engine's one-sequence decode steps (step_timeline's bins, one process a case) under
+# the launch's remedies, one at a time and together: the batch staged
+# (JAXLLM_STAGE_STEP_INPUT=on), XLA's SKIP_TEMP command buffers (temporaries at one address
+# through its VMM allocator), the GEMV's split sums in the kernel (splits_sum=last: 124 fewer
+# launches) and x read by the GEMV (x_in_kernel: 32 more fewer); a case is
+# TAG:QUANT:STAGE:SKIP_TEMP:GEMV_OVERRIDES ("-" for none), the likeliest remedies first
+LM_SKIP="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-
+  awq_skip_stage_last:awq:on:yes:splits_sum=last bf16_default:bf16:off:no:-
+  bf16_skip_stage:bf16:on:yes:- awq_stage:awq:on:no:- awq_default_last:awq:off:no:splits_sum=last
+  awq_skip_stage_last_x:awq:on:yes:splits_sum=last,x_in_kernel=True"
+launch_matrix() {
+  local case tag q stage skip gemv
+  for case in ${LM_ONLY:-$LM_CASES}; do
+    IFS=: read -r tag q stage skip gemv <<< "$case"
+    local extra=() flags="${XLA_FLAGS:-}"
+    [ "$q" = awq ] && extra+=(--quantization awq)
+    [ "$gemv" != "-" ] && extra+=(--gemv-overrides "$gemv")
+    [ "$skip" = yes ] && flags="$flags $LM_SKIP"
+    echo "== $tag" >> "$DIR/lm_cases.txt"
+    XLA_FLAGS="$flags" JAXLLM_STAGE_STEP_INPUT=$stage $PY -m jaxllm.benchmarks.step_timeline \
+      --model llama-3-8b --load-format dummy --dtype bfloat16 --no-progress \
+      --dataset-name random --input-len 1024 --output-len 160 --num-prompts 2 \
+      --max-num-seqs 1 --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 \
+      --unroll-layers "${extra[@]}" --output-json "$DIR/lm_$tag.json" > "$DIR/lm_$tag.log" 2>&1
+    grep -h "^decode 1-16\|^total\|^host ms" "$DIR/lm_$tag.log" >> "$DIR/lm_cases.txt"
   done
 }
 

@@ -90,6 +90,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     throughput_args(parser)
     r = parser.add_argument_group("step timeline")
+    r.add_argument("--gemv-overrides", default=None,
+                   help="Int4GemvConfig fields put over every config the int4 GEMV picks, as "
+                   "step_profile's (an A/B of GEMV modes in the engine)")
     r.add_argument("--bandwidth", type=_rate, default=4.8e12,
                    help="HBM bytes/s of the floor, or 'measure' (a copy, as bench latency)")
     r.add_argument("--peak-flops", type=_rate, default=700e12,
@@ -331,6 +334,10 @@ def run(args: argparse.Namespace) -> dict:
     from jaxllm.benchmarks.provenance import source_commit
     from jaxllm.benchmarks.throughput import _requests, load_jax_model
 
+    if args.gemv_overrides:
+        from jaxllm.benchmarks.step_profile import override_gemv
+
+        args.compilation_cache_dir = override_gemv(args.gemv_overrides)
     model = load_jax_model(args)
     requests = _requests(args, model.config)
     bandwidth, peak, how = measure_ceilings(args.bandwidth, args.peak_flops)
