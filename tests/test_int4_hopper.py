@@ -139,6 +139,25 @@ def test_n_major_weights_equal_the_packed_ones_and_run_the_kernel():
     assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
+def test_n_major_conversion_frees_owned_packed_words():
+    """``int4_n_major(donate=True)`` (the engine's own load): each packed weight is freed as
+    its N-major copy is made, so the load never holds the model's 4-bit weights twice; words
+    shared by two projections are converted once; without ``donate`` the caller's stay."""
+    from jaxllm.layers.linear import Int4Weight, int4_n_major
+
+    _, words, scales, zeros = _case(1, 256, 128, 128)
+    expected = Int4Weight(words, scales, zeros).dequantize()
+    owned = Int4Weight(jnp.array(words), scales, zeros)
+    shared = Int4Weight(owned.qweight, scales, zeros)
+    kept = Int4Weight(jnp.array(words), scales, zeros)
+    converted = int4_n_major({"a": owned, "b": shared}, donate=True)
+    assert owned.qweight.is_deleted()
+    assert converted["a"].w is converted["b"].w
+    np.testing.assert_array_equal(converted["b"].dequantize(), expected)
+    int4_n_major({"c": kept})
+    assert not kept.qweight.is_deleted()
+
+
 def test_engine_stores_n_major_weights_when_asked(monkeypatch):
     """The engine under ``JAXLLM_INT4_HOPPER=on``: a dummy AWQ model's projections stored
     N-major, the same greedy tokens as without (on CPU both are XLA's path); a bad value, or

@@ -75,6 +75,7 @@ class LLMEngine(StepLauncher):
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
         int4_n_major = int4_hopper_enabled()  # and a bad JAXLLM_INT4_HOPPER
+        owned = model is None  # the engine's own load: its arrays may be freed as converted
         with out_of_memory_explained("loading the weights"):
             if model is None:
                 model = load_model(config.model, dtype=config.dtype,
@@ -93,7 +94,8 @@ class LLMEngine(StepLauncher):
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
                 config.tensor_parallel_size, config.pipeline_parallel_size,
-            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_n_major)
+            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_n_major,
+                                                                        donate=owned)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

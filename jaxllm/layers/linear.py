@@ -212,14 +212,22 @@ def int4_hopper_enabled(environ=os.environ) -> bool:
     return env_switch(environ, INT4_HOPPER_ENV)
 
 
-def int4_n_major(params: Any) -> Any:
+def int4_n_major(params: Any, *, donate: bool = False) -> Any:
     """``params`` with every one-layer :class:`Int4Weight` (2-D words: the unrolled layout)
-    as an :class:`Int4WeightNK` (new arrays; the scales shared)."""
+    as an :class:`Int4WeightNK` (new arrays; the scales shared). ``donate``: the caller owns
+    ``params``, so each packed weight is freed once its N-major copy is made (the conversion
+    then holds one projection twice at most, not the whole model: +35 GB for a 70B model)."""
     n_major = jax.jit(hopper_weight)
+    made: dict[int, jax.Array] = {}  # id of packed words -> their N-major copy (shared words)
 
     def convert(leaf):
         if isinstance(leaf, Int4Weight) and leaf.qweight.ndim == 2:
-            return Int4WeightNK(n_major(leaf.qweight), leaf.scales,
+            if id(leaf.qweight) not in made:
+                made[id(leaf.qweight)] = n_major(leaf.qweight)
+                if donate:  # freed once the conversion has read it
+                    jax.block_until_ready(made[id(leaf.qweight)])
+                    leaf.qweight.delete()
+            return Int4WeightNK(made[id(leaf.qweight)], leaf.scales,
                                 centred_zeros_of(leaf.zeros, leaf.scales.dtype))
         return leaf
 

@@ -87,10 +87,11 @@ class LoadedModel:
                   else stack_layer_params(self.params))
         return dataclasses.replace(self, params=params)
 
-    def with_int4_n_major(self, enabled: bool) -> LoadedModel:
+    def with_int4_n_major(self, enabled: bool, *, donate: bool = False) -> LoadedModel:
         """This model with its 4-bit weights stored N-major for the Hopper kernel
         (``JAXLLM_INT4_HOPPER=on``: :func:`jaxllm.layers.linear.int4_n_major`), on one device
-        with the unrolled layers. Not enabled, or no 4-bit weights: unchanged."""
+        with the unrolled layers. Not enabled, or no 4-bit weights: unchanged. ``donate``: the
+        caller owns these params, so each packed weight is freed as it is converted."""
         if not enabled or self.quantization is None or self.quantization.bits != 4:
             return self
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
@@ -99,7 +100,7 @@ class LoadedModel:
         if not self.unroll_layers:
             raise ValueError("JAXLLM_INT4_HOPPER=on needs the unrolled layers "
                              "(--unroll-layers, the default on a GPU)")
-        return dataclasses.replace(self, params=int4_n_major(self.params))
+        return dataclasses.replace(self, params=int4_n_major(self.params, donate=donate))
 
     def with_quantization(self, method: str | None) -> LoadedModel:
         """This (float) model with its projections quantized at ``method`` (``int8``), as
