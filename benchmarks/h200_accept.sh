@@ -137,7 +137,7 @@ only17() {
     # newly transferred every call (as the engine's) and at one address (launch_anatomy's
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
-    export -f launch_matrix
+    export -f decode_timeline launch_matrix
     picked lm && step lm_launch_matrix 300 560 bash -c "DIR=$DIR PY=$PY LM_SKIP='$LM_SKIP' \
       LM_CASES='${LM_CASES//$'\n'/ }' LM_ONLY='${LM_ONLY:-}' launch_matrix"
     export -f graph_updates_skip_temp
@@ -279,19 +279,26 @@ only17() {
 }
 
 # e1: one engine process per (weights, rows, staging); step_timeline's bins give the steps' ms
+# The engine's decode steps of one random 1,024-token workload (160 tokens out) at ROWS
+# sequences, PROMPTS of them: step_timeline's bins (e1 and lm; the caller's environment sets
+# the switches compared)
+decode_timeline() {
+  local rows=$1 prompts=$2 out=$3; shift 3
+  $PY -m jaxllm.benchmarks.step_timeline --model llama-3-8b --load-format dummy \
+    --dtype bfloat16 --no-progress --dataset-name random --input-len 1024 --output-len 160 \
+    --num-prompts "$prompts" --max-num-seqs "$rows" --max-num-batched-tokens 2048 \
+    --num-gpu-blocks-override 6000 --unroll-layers "$@" --output-json "$out"
+}
+
 staged_steps() {
   local config q rows prompts stage
   for config in ${E1_CONFIGS:-bf16:1 awq:1 bf16:64}; do
     q=${config%:*} rows=${config#*:} prompts=$(( ${config#*:} == 1 ? 4 : 64 ))
-    local quant=""
-    [ "$q" = awq ] && quant="--quantization awq"
+    local quant=()
+    [ "$q" = awq ] && quant=(--quantization awq)
     for stage in off on; do
-      # shellcheck disable=SC2086
-      JAXLLM_STAGE_STEP_INPUT=$stage $PY -m jaxllm.benchmarks.step_timeline --model llama-3-8b \
-        --load-format dummy --dtype bfloat16 --no-progress --dataset-name random \
-        --input-len 1024 --output-len 160 --num-prompts $prompts --max-num-seqs $rows \
-        --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 --unroll-layers $quant \
-        --output-json "$DIR/e1_${E1_TAG:-}${q}_b${rows}_stage_$stage.json"
+      JAXLLM_STAGE_STEP_INPUT=$stage decode_timeline "$rows" "$prompts" \
+        "$DIR/e1_${E1_TAG:-}${q}_b${rows}_stage_$stage.json" "${quant[@]}"
     done
   done
 }
@@ -316,11 +323,8 @@ launch_matrix() {
     [ "$gemv" != "-" ] && extra+=(--gemv-overrides "$gemv")
     [ "$skip" = yes ] && flags="$flags $LM_SKIP"
     echo "== $tag" >> "$DIR/lm_cases.txt"
-    XLA_FLAGS="$flags" JAXLLM_STAGE_STEP_INPUT=$stage $PY -m jaxllm.benchmarks.step_timeline \
-      --model llama-3-8b --load-format dummy --dtype bfloat16 --no-progress \
-      --dataset-name random --input-len 1024 --output-len 160 --num-prompts 2 \
-      --max-num-seqs 1 --max-num-batched-tokens 2048 --num-gpu-blocks-override 6000 \
-      --unroll-layers "${extra[@]}" --output-json "$DIR/lm_$tag.json" > "$DIR/lm_$tag.log" 2>&1
+    XLA_FLAGS="$flags" JAXLLM_STAGE_STEP_INPUT=$stage decode_timeline 1 2 "$DIR/lm_$tag.json" \
+      "${extra[@]}" > "$DIR/lm_$tag.log" 2>&1
     grep -h "^decode 1-16\|^total\|^host ms" "$DIR/lm_$tag.log" >> "$DIR/lm_cases.txt"
   done
 }
@@ -341,16 +345,17 @@ graph_updates() {
     $PY -m jaxllm.benchmarks.command_buffer_log "$log" --output-json "$DIR/cb_graphs_$q.json"
     tail -n 40 "$log" > "$DIR/cb_$q.vlog_tail" && rm -f "$log"
   done
-  [[ " ${CB_EXTRAS:-x skip_temp} " == *" x "* ]] || { graph_updates_skip_temp; return; }
   # the GEMV reading x itself (128 fewer kernels) made the engine's AWQ batch-1 step slower on
   # the host, 9.2 against 5.2 ms (2026-12-03), for a reason not found: its graph updates
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
-    jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
-    --batch-buffer fresh,same --quantization awq --gemv-overrides x_in_kernel=True \
-    --output-json "$DIR/cb_launch_awq_x.json" 2> "$DIR/cb_awq_x.vlog"
-  $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_x.vlog" \
-    --output-json "$DIR/cb_graphs_awq_x.json"
-  tail -n 40 "$DIR/cb_awq_x.vlog" > "$DIR/cb_awq_x.vlog_tail" && rm -f "$DIR/cb_awq_x.vlog"
+  if [[ " ${CB_EXTRAS:-x skip_temp} " == *" x "* ]]; then
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=$CB_VMODULE $PY -m \
+      jaxllm.benchmarks.launch_anatomy --variants unrolled --buckets 1x1 --iters 30 \
+      --batch-buffer fresh,same --quantization awq --gemv-overrides x_in_kernel=True \
+      --output-json "$DIR/cb_launch_awq_x.json" 2> "$DIR/cb_awq_x.vlog"
+    $PY -m jaxllm.benchmarks.command_buffer_log "$DIR/cb_awq_x.vlog" \
+      --output-json "$DIR/cb_graphs_awq_x.json"
+    tail -n 40 "$DIR/cb_awq_x.vlog" > "$DIR/cb_awq_x.vlog_tail" && rm -f "$DIR/cb_awq_x.vlog"
+  fi
   graph_updates_skip_temp
 }
 
