@@ -138,6 +138,10 @@ only17() {
     # --batch-buffer same): whether fixed input addresses would take that off the launch
     export -f graph_updates
     export -f decode_timeline launch_matrix
+    # gm (with lm): the device's memory from the CUDA driver where XLA's VMM allocator (SKIP_TEMP)
+    # keeps no statistics, the KV sizing's source under that mode (~30 s)
+    picked lm && step gm_device_memory_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
+      -m gpu tests/test_device_memory.py
     picked lm && step lm_launch_matrix 300 560 bash -c "DIR=$DIR PY=$PY LM_SKIP='$LM_SKIP' \
       LM_CASES='${LM_CASES//$'\n'/ }' LM_ONLY='${LM_ONLY:-}' launch_matrix"
     export -f graph_updates_skip_temp

@@ -2,18 +2,20 @@
 
 GPU (as vLLM): ``device memory x gpu_memory_utilization - bytes already in use (weights)
 - the compiled step's activation peak at max_num_batched_tokens``, divided by the bytes of
-one block across all layers. CPU: a fixed host budget (``cpu_kv_cache_space`` GiB).
+one block across all layers; the memory as device_memory.py reads it (JAX's allocator, or
+the CUDA driver under an allocator that keeps no statistics). CPU: a fixed host budget
+(``cpu_kv_cache_space`` GiB).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import jax
 
 from jaxllm.batch import batch_spec, pack_batch
+from jaxllm.engine.device_memory import JAX_STATS, device_memory
 from jaxllm.kv_pool import kv_block_bytes, new_kv_pool
 from jaxllm.loading import LoadedModel
 from jaxllm.models.llama import make_forward
@@ -23,7 +25,6 @@ from jaxllm.sampling import sample
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
-DEFAULT_JAX_MEM_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +67,10 @@ def model_device(model: LoadedModel):
 
 
 def total_device_memory(device) -> float | None:
-    """An accelerator's memory in bytes (JAX's allocator limit over its fraction, as
-    plan_kv_blocks reads it); None on CPU or when the backend does not say."""
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_JAX_MEM_FRACTION))
-    return stats["bytes_limit"] / fraction
+    """An accelerator's memory in bytes; None on CPU or when neither JAX nor the driver
+    says."""
+    memory = device_memory(device)
+    return None if memory is None else memory.total
 
 
 def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilization: float,
@@ -90,31 +88,36 @@ def plan_kv_blocks(model: LoadedModel, *, block_size: int, gpu_memory_utilizatio
     tp = model.tensor_parallel_size * model.pipeline_parallel_size
     device_block = per_block // tp
     device = model_device(model)
-    total = total_device_memory(device)
+    memory = device_memory(device)
     if num_gpu_blocks_override is not None:
         num_gpu = num_gpu_blocks_override
         report = f"KV blocks set by num_gpu_blocks_override: {num_gpu}"
-    elif total is not None:
-        stats = device.memory_stats()
-        limit = stats["bytes_limit"]
-        budget = min(limit, total * gpu_memory_utilization)
-        in_use = stats.get("bytes_in_use", 0)
+    elif memory is not None:
+        budget = min(memory.limit, memory.total * gpu_memory_utilization)
         activations = activation_bytes(model, max_num_batched_tokens,
                                        min(max_num_seqs, max_num_batched_tokens),
                                        -(-max_model_len // block_size), attention_backend,
                                        kv_dtype)
-        kv_bytes = budget - in_use - activations
+        kv_bytes = budget - memory.in_use - activations
         if kv_bytes < 2 * device_block:
             raise ValueError(
                 "No available memory for the cache blocks. Try increasing "
                 f"gpu_memory_utilization (now {gpu_memory_utilization}) or lowering "
                 "max_num_batched_tokens.")
         num_gpu = int(min(kv_bytes // device_block, useful))
-        report = (f"total device memory {total / GiB:.2f} GiB x gpu_memory_utilization "
-                  f"({gpu_memory_utilization:.2f}) = {budget / GiB:.2f} GiB; model weights "
-                  f"and buffers take {in_use / GiB:.2f} GiB; activation peak takes "
+        in_use = ("model weights and buffers take" if memory.source == JAX_STATS else
+                  f"in use on the device ({memory.source}: weights, buffers, CUDA contexts)")
+        report = (f"total device memory {memory.total / GiB:.2f} GiB x gpu_memory_utilization "
+                  f"({gpu_memory_utilization:.2f}) = {budget / GiB:.2f} GiB; {in_use} "
+                  f"{memory.in_use / GiB:.2f} GiB; activation peak takes "
                   f"{activations / GiB:.2f} GiB; the rest of the memory reserved for KV "
                   f"cache is {kv_bytes / GiB:.2f} GiB")
+    elif device.platform != "cpu":
+        raise ValueError(
+            f"{device.device_kind} reports no memory statistics (JAX's allocator keeps none "
+            "under this XLA_FLAGS / XLA_PYTHON_CLIENT_ALLOCATOR, and the CUDA driver did not "
+            "answer), so the KV cache cannot be sized: set num_gpu_blocks_override "
+            "(--num-gpu-blocks-override).")
     else:
         num_gpu = int(min(cpu_kv_cache_space * GiB // per_block, useful))
         report = f"CPU KV cache space {cpu_kv_cache_space:.2f} GiB"

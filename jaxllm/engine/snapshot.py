@@ -10,6 +10,7 @@ import time
 
 import jax
 
+from jaxllm.engine.device_memory import DeviceMemory, device_memory
 from jaxllm.engine.kv_usage import engine_usage, paged_step
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.sequence import SequenceStatus
@@ -38,7 +39,9 @@ class EngineSnapshot:
     device_seconds: float = 0.0
     prompt_tokens: int = 0  # computed by the engine (recomputation after preemption included)
     generation_tokens: int = 0
-    device_memory_used: int | None = None  # bytes, where the platform reports it
+    # bytes, where the platform reports it (device_memory.py: this process's allocations, or
+    # under an allocator that keeps no statistics the whole device's, from the CUDA driver)
+    device_memory_used: int | None = None
     device_memory_limit: int | None = None
     host_rss_bytes: int | None = None  # the engine's process
 
@@ -65,8 +68,9 @@ def take_snapshot(engine: LLMEngine) -> EngineSnapshot:
         device_seconds=getattr(stats, "device_wait_seconds",
                                getattr(stats, "device_seconds", 0.0)),
         prompt_tokens=stats.prompt_tokens, generation_tokens=stats.generation_tokens,
-        device_memory_used=memory.get("bytes_in_use"),
-        device_memory_limit=memory.get("bytes_limit"), host_rss_bytes=host_rss_bytes())
+        device_memory_used=None if memory is None else memory.in_use,
+        device_memory_limit=None if memory is None else memory.limit,
+        host_rss_bytes=host_rss_bytes())
 
 
 def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
@@ -101,11 +105,11 @@ def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
     return EngineSnapshot(**fields)
 
 
-def _device_memory() -> dict:
+def _device_memory() -> DeviceMemory | None:
     try:
-        return jax.local_devices()[0].memory_stats() or {}
+        return device_memory(jax.local_devices()[0])
     except Exception:  # noqa: BLE001 - backends without memory stats
-        return {}
+        return None
 
 
 def host_rss_bytes() -> int | None:
