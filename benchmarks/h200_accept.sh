@@ -47,7 +47,8 @@
 #   cut after gate_up on 2026-12-05); "t1ah": g9, then the AWQ engine through it
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
 #   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
-#   the LM head and the attention kernel timed by position in the step (--sequence)
+#   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
+#   the same with every GEMV loading its step's words first (loads_first)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -139,9 +140,11 @@ only17() {
     export -f graph_updates
     export -f decode_timeline launch_matrix
     # gm (with lm): the device's memory from the CUDA driver where XLA's VMM allocator (SKIP_TEMP)
-    # keeps no statistics, the KV sizing's source under that mode (~30 s)
-    picked lm && step gm_device_memory_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
-      -m gpu tests/test_device_memory.py
+    # keeps no statistics, the KV sizing's source under that mode; the loads-first GEMVs
+    # compiled against the reference (~60 s)
+    picked lm && step gm_session_gpu_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider \
+      -m gpu tests/test_device_memory.py tests/test_int4_kernel.py -k "device_memory or \
+      real_driver or loading_each_step_first"
     picked lm && step lm_launch_matrix 300 560 bash -c "DIR=$DIR PY=$PY LM_SKIP='$LM_SKIP' \
       LM_CASES='${LM_CASES//$'\n'/ }' LM_ONLY='${LM_ONLY:-}' launch_matrix"
     export -f graph_updates_skip_temp
@@ -258,6 +261,12 @@ only17() {
     picked p1s && step p1s_profile_awq_b1_sequence 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE \
       --quantization awq --sequence "gemv|gemm|attention" --out-dir "$DIR/p1s"
     rm -rf "$DIR"/p1s/trace
+    # p1l: p1s with every GEMV loading its step's words first (loads_first; down on the
+    # denormal loop too): each projection's device time against p1s's, same machine
+    picked p1l && step p1l_profile_awq_b1_loads_first 70 150 $PY -m jaxllm.benchmarks.step_profile \
+      $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides "$LOADS_FIRST4" \
+      --out-dir "$DIR/p1l"
+    rm -rf "$DIR"/p1l/trace
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
@@ -314,8 +323,12 @@ staged_steps() {
 # launches) and x read by the GEMV (x_in_kernel: 32 more fewer); a case is
 # TAG:QUANT:STAGE:SKIP_TEMP:GEMV_OVERRIDES ("-" for none), the likeliest remedies first
 LM_SKIP="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+# every GEMV loading its step's words before the first FMA (loads_first), down's too (on the
+# denormal loop at 4 columns a thread, as qkv's and o's table configs)
+LOADS_FIRST4="loads_first=True,denormal=True,block_n=256,num_warps=2,block_words=16"
 LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-
   awq_skip_stage_last:awq:on:yes:splits_sum=last bf16_default:bf16:off:no:-
+  awq_skip_stage_lf4:awq:on:yes:$LOADS_FIRST4 awq_lf4:awq:off:no:$LOADS_FIRST4
   bf16_skip_stage:bf16:on:yes:- awq_stage:awq:on:no:- awq_default_last:awq:off:no:splits_sum=last
   awq_skip_stage_last_x:awq:on:yes:splits_sum=last,x_in_kernel=True"
 launch_matrix() {

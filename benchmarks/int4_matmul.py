@@ -69,11 +69,16 @@ GEMV_SWEEP = [
 ]
 # --gemv-modes: the default config with x read and scaled by the kernel (x_in_kernel) and
 # with the split-K partials summed in the kernel (atomic adds, or the last split of a column
-# block summing them in order) instead of by an XLA fusion after the call.
+# block summing them in order) instead of by an XLA fusion after the call, and with each step's
+# weight loads issued together (loads_first).
 GEMV_MODES = [
     ("x in kernel", dict(x_in_kernel=True)),
     ("splits atomic", dict(splits_sum="atomic")),
     ("splits last", dict(splits_sum="last")),
+    ("loads first", dict(loads_first=True)),
+    # down too on the denormal loop, at 4 columns a thread as qkv's and o's table configs
+    ("loads first, 4 columns", dict(loads_first=True, denormal=True, block_n=256, num_warps=2,
+                                    block_words=16)),
 ]
 # The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
 # program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)

@@ -223,7 +223,8 @@ def run_gemv(args) -> dict:
     config = _gemv_config(args)
     ttir, warps, stages = capture_int4("gemv", args.k, args.n, args.tokens,
                                        args.group_size, config)
-    sass = compile_sass(ttir, warps, stages, args.triton_python)
+    usage = {}
+    sass = compile_sass(ttir, warps, stages, args.triton_python, usage)
     if args.sass_out:
         with open(args.sass_out, "w") as f:
             f.write(sass)
@@ -245,11 +246,13 @@ def run_gemv(args) -> dict:
     result = {"commit": source_commit(), "kernel": "gemv", "k": args.k, "n": args.n,
               "tokens": args.tokens, "group_size": args.group_size, "config": repr(config),
               "steps_per_program": steps,
-              "num_warps": warps, "num_stages": stages, "weights_per_iteration": weights,
+              "num_warps": warps, "num_stages": stages, "resources": usage,
+              "weights_per_iteration": weights,
               "weights_per_thread": per_thread, "loops": found,
               "main_loop": main_loop,
               "instructions_per_weight": main_loop["instructions"] / per_thread}
     print(f"gemv K={args.k} N={args.n} tokens={args.tokens} group={args.group_size}: {config}")
+    print(f"  resources: {usage}")
     print(f"  main loop at {main_loop['start']}: {main_loop['instructions']} instructions an "
           f"iteration per thread ({steps} steps a program), {per_thread:g} weights per thread -> "
           f"{result['instructions_per_weight']:.2f} instructions per weight")

@@ -140,6 +140,14 @@ GEMV_CASES = [
     (256, 100, 64, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, byte_permute=False)),
     (512, 128, 64, 1, jnp.float32, Int4GemvConfig(block_words=4, prefetch=True)),  # 8 steps
     (256, 128, 32, 1, jnp.float32, Int4GemvConfig(num_splits=2, denormal=False)),
+    # The products nibble by nibble across a step's rows (each step's loads first): one and
+    # several steps, pairs and shifts, x in the kernel, the last split's sum.
+    (512, 320, 128, 1, jnp.bfloat16, Int4GemvConfig(block_n=256, num_warps=2,
+                                                    loads_first=True)),
+    (512, 100, 64, 2, jnp.float32, Int4GemvConfig(block_n=64, block_words=4, loads_first=True,
+                                                  byte_permute=False, num_splits=2)),
+    (256, 96, 64, 3, jnp.bfloat16, Int4GemvConfig(block_n=32, x_in_kernel=True,
+                                                  splits_sum="last", loads_first=True)),
 ]
 
 
@@ -170,7 +178,8 @@ def test_gemv_lowers_to_triton_for_the_h200():
              (1, 4096, 4096, 128, Int4GemvConfig(splits_sum="atomic")),
              (1, 4096, 4096, 128, Int4GemvConfig(splits_sum="last")),
              (2, 14336, 4096, 128, Int4GemvConfig(denormal=False, splits_sum="last")),
-             (1, 4096, 6144, 128, Int4GemvConfig(x_in_kernel=False))]
+             (1, 4096, 6144, 128, Int4GemvConfig(x_in_kernel=False)),
+             (1, 14336, 4096, 128, Int4GemvConfig(block_n=256, num_warps=2, loads_first=True))]
     for m, k, n, group, config in cases:
         args = [jax.ShapeDtypeStruct(s, d) for s, d in [
             ((m, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
@@ -299,6 +308,23 @@ def test_gemv_splits_sums_on_the_gpu_equal_reference_and_last_is_reproducible(m,
             for _ in range(10):
                 np.testing.assert_array_equal(np.asarray(run(x), np.float32),
                                               np.asarray(got, np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled GEMV configs need a GPU")
+@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (1, 4096, 28672), (1, 14336, 4096),
+                                   (2, 4096, 4096)])
+def test_gemv_loading_each_step_first_on_the_gpu_equals_reference(m, k, n):
+    """Compiled: the products nibble by nibble across each step's rows (loads_first) at the
+    8B projections, on the table's configs and all on the denormal loop at 4 columns a thread
+    (h200_accept's LOADS_FIRST4), against the reference."""
+    w = int4_weight(k, n, 128, jnp.bfloat16, seed=k + m)
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), jnp.bfloat16)
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
+    for config in (dataclasses.replace(gemv_config(m, k, n, 128), loads_first=True),
+                   Int4GemvConfig(loads_first=True, block_n=256, num_warps=2)):
+        got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=128, config=config)
+        assert_close(got, want, x, w, scale_on_output=True)
 
 
 def test_gemv_unsupported_shapes_and_configs_are_named():

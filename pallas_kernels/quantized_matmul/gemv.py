@@ -120,6 +120,13 @@ class Int4GemvConfig:
     # host's launch 7.5 against 4.4 ms a step; device time 3.28 against 3.36 ms), two machines,
     # cause not found; the microbenchmark had it faster for 2 of 3 projections.
     x_in_kernel: bool = False
+    # Denormal path: the products taken nibble by nibble across the step's word rows instead
+    # of row by row, so that the step's words are all needed at once. In the sm_90 SASS
+    # (Triton 3.6) ptxas then issues all of a step's weight loads together (qkv: 16 16-byte
+    # loads a thread in one burst, 128 registers) where row by row it issues one or two just
+    # ahead of their products (32 registers): each warp keeps ~8x the bytes in flight.
+    # Not yet timed on a GPU (h200_accept's lm and g1 --gemv-modes time it).
+    loads_first: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
@@ -320,6 +327,7 @@ def int4_gemv(
     else:  # x scaled per nibble position (exact powers of two) and summed per step in-kernel
         pairs = config.byte_permute and step_words % 2 == 0
         kernel = functools.partial(denormal_kernel, pairs=pairs, prefetch=config.prefetch,
+                                   loads_first=config.loads_first,
                                    prescaled=not config.x_in_kernel, **common)
         if not config.x_in_kernel:
             x_in = prescaled_inputs(xp, step_words, pairs, interpret)

@@ -116,10 +116,20 @@ def scale_x(x, unit: int, interpret: bool):
     return jax.lax.bitcast_convert_type(bits + (unit << 23), jnp.float32)
 
 
+def _product_order(step_words: int, loads_first: bool) -> list[tuple[int, int]]:
+    """(word row, nibble) in the order the products join the partial sums: row by row, or
+    nibble by nibble over all of the step's rows (``loads_first``: nibble 0 of every word row
+    first, so all of the step's words are needed at once and ptxas issues all of its loads
+    before the first FMA, not one or two just ahead of their products)."""
+    if loads_first:
+        return [(r, j) for j in range(PER_WORD) for r in range(step_words)]
+    return [(r, j) for r in range(step_words) for j in range(PER_WORD)]
+
+
 def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
                     step_words: int, group_words: int, evict_first: bool, interpret: bool,
                     pairs: bool, prefetch: bool, out_n: int | None, mode: str,
-                    prescaled: bool):
+                    prescaled: bool, loads_first: bool = False):
     # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
     # (row, nibble), and scales it in registers; the threads sum each step's together), or
     # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
@@ -156,19 +166,20 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
             words, ahead = ahead, load_words(jnp.minimum(i + 1, steps - 1))
         else:
             words = load_words(i)
-        for r in range(step_words):
-            for j, (src, pos) in enumerate(denormal_nibbles(words, r, pairs, interpret)):
-                bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
-                if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
-                    # 2^-X_EXP only (x_unit)
-                    w = jnp.right_shift(bits, pos).astype(jnp.float32)
-                else:  # read as a float32, no conversion instruction
-                    w = jax.lax.bitcast_convert_type(bits, jnp.float32)
-                for m in range(rows):
-                    xs = x_ref[m, row + r, j] if prescaled else scale_x(
-                        x_ref[m, row + r, j], x_unit(r, j, pairs, interpret), interpret)
-                    t = xs * w  # q x 2^-X_EXP, [bn]
-                    parts[m] = t if parts[m] is None else parts[m] + t
+        nibbles = [denormal_nibbles(words, r, pairs, interpret) for r in range(step_words)]
+        for r, j in _product_order(step_words, loads_first):
+            src, pos = nibbles[r][j]
+            bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
+            if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
+                # 2^-X_EXP only (x_unit)
+                w = jnp.right_shift(bits, pos).astype(jnp.float32)
+            else:  # read as a float32, no conversion instruction
+                w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            for m in range(rows):
+                xs = x_ref[m, row + r, j] if prescaled else scale_x(
+                    x_ref[m, row + r, j], x_unit(r, j, pairs, interpret), interpret)
+                t = xs * w  # q x 2^-X_EXP, [bn]
+                parts[m] = t if parts[m] is None else parts[m] + t
         acc = tuple(a + scale * p for a, p in zip(acc, parts, strict=True))
         corr = tuple(c + (scale * zero) * xs for c, xs in zip(corr, xsum, strict=True))
         return acc, corr, ahead
