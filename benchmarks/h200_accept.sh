@@ -261,10 +261,10 @@ only17() {
     picked p1s && step p1s_profile_awq_b1_sequence 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE \
       --quantization awq --sequence "gemv|gemm|attention" --out-dir "$DIR/p1s"
     rm -rf "$DIR"/p1s/trace
-    # p1l: p1s with every GEMV loading its step's words first (loads_first; down on the
-    # denormal loop too): each projection's device time against p1s's, same machine
+    # p1l: p1s with every GEMV loading its step's words first (the "loads_first" candidate
+    # table; down on the denormal loop too): each projection's device time against p1s's
     picked p1l && step p1l_profile_awq_b1_loads_first 70 150 $PY -m jaxllm.benchmarks.step_profile \
-      $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides "$LOADS_FIRST4" \
+      $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides "$LOADS_FIRST" \
       --out-dir "$DIR/p1l"
     rm -rf "$DIR"/p1l/trace
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
@@ -323,12 +323,12 @@ staged_steps() {
 # launches) and x read by the GEMV (x_in_kernel: 32 more fewer); a case is
 # TAG:QUANT:STAGE:SKIP_TEMP:GEMV_OVERRIDES ("-" for none), the likeliest remedies first
 LM_SKIP="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-# every GEMV loading its step's words before the first FMA (loads_first), down's too (on the
-# denormal loop at 4 columns a thread, as qkv's and o's table configs)
-LOADS_FIRST4="loads_first=True,denormal=True,block_n=256,num_warps=2,block_words=16"
+# every GEMV loading its step's words before the first FMA (int4_matmul's candidate table
+# "loads_first"; shapes it does not list: the pick with loads_first)
+LOADS_FIRST="table=loads_first,loads_first=True"
 LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-
   awq_skip_stage_last:awq:on:yes:splits_sum=last bf16_default:bf16:off:no:-
-  awq_skip_stage_lf4:awq:on:yes:$LOADS_FIRST4 awq_lf4:awq:off:no:$LOADS_FIRST4
+  awq_skip_stage_lf:awq:on:yes:$LOADS_FIRST awq_lf:awq:off:no:$LOADS_FIRST
   bf16_skip_stage:bf16:on:yes:- awq_stage:awq:on:no:- awq_default_last:awq:off:no:splits_sum=last
   awq_skip_stage_last_x:awq:on:yes:splits_sum=last,x_in_kernel=True"
 launch_matrix() {

@@ -76,10 +76,21 @@ GEMV_MODES = [
     ("splits atomic", dict(splits_sum="atomic")),
     ("splits last", dict(splits_sum="last")),
     ("loads first", dict(loads_first=True)),
-    # down too on the denormal loop, at 4 columns a thread as qkv's and o's table configs
-    ("loads first, 4 columns", dict(loads_first=True, denormal=True, block_n=256, num_warps=2,
-                                    block_words=16)),
 ]
+# Candidate GEMV tables (Int4GemvConfig kwargs by (tokens, K, N)), timed by --gemv-modes and
+# put in the engine by step_profile's and step_timeline's ``--gemv-overrides table=NAME``.
+# "loads_first": every 8B projection at one token loading each step's words before its first
+# FMA, picked from the sm_90 SASS (Triton 3.6; RESULTS 2026-12-05, 21:08- UTC): qkv, o and
+# gate_up as GEMV_TABLE's; down moves to the denormal loop (2.54 instructions a weight against
+# the 2^23 loop's 6.14) at 8 word rows a step with the next step's words prefetched (two
+# bursts of 8 16-byte loads a thread, 56 registers; at 16 rows a step only 256 programs).
+GEMV_CANDIDATE_TABLES = {"loads_first": {
+    (1, 4096, 6144): dict(block_n=256, num_warps=2, loads_first=True),
+    (1, 4096, 4096): dict(block_n=256, num_warps=2, loads_first=True),
+    (1, 4096, 28672): dict(block_n=512, num_warps=2, loads_first=True),
+    (1, 14336, 4096): dict(block_n=256, num_warps=2, block_words=8, prefetch=True,
+                           loads_first=True),
+}}
 # The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
 # program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)
 HOPPER_SWEEP = [
@@ -167,6 +178,9 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
                 config = dataclasses.replace(default, **kwargs)
                 if gemv_unsupported(tokens, k, n, group, config) is None:
                     variants[f"gemv {label}"] = ("gemv", config)
+            for name, table in GEMV_CANDIDATE_TABLES.items():
+                if (rows, k, n) in table:
+                    variants[f"gemv {name} table"] = ("gemv", Int4GemvConfig(**table[rows, k, n]))
     if args.gemv_sweep:
         for label, kwargs in GEMV_SWEEP:
             if kwargs.get("dot") and tokens < 4:

@@ -64,19 +64,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def override_gemv(text: str) -> str:
-    """Makes the int4 GEMV put ``text``'s fields over every (non-dot) config it picks; returns
-    a compile-cache directory for these programs (the engine's executable cache keys on the
-    model and engine, not on a patched kernel config)."""
+    """Makes the int4 GEMV put ``text``'s fields over every (non-dot) config it picks (with
+    ``table=NAME``, int4_matmul's candidate table NAME's config where it lists the shape);
+    returns a compile-cache directory for these programs (the engine's executable cache keys
+    on the model and engine, not on a patched kernel config)."""
     import dataclasses
 
+    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
     from jaxllm.benchmarks.kernel_sass import config_fields
     from jaxllm.pallas_kernels.quantized_matmul import gemv
 
     fields = config_fields(text)
+    name = fields.pop("table", None)
+    if name is not None and name not in GEMV_CANDIDATE_TABLES:
+        raise SystemExit(f"--gemv-overrides: no candidate table {name!r} "
+                         f"(int4_matmul.GEMV_CANDIDATE_TABLES: {sorted(GEMV_CANDIDATE_TABLES)})")
+    table = GEMV_CANDIDATE_TABLES.get(name, {})
     pick = gemv.gemv_config
 
     def patched(m: int, k: int, n: int, group_size: int):
-        config = pick(m, k, n, group_size)
+        listed = table.get((1 << max(0, m - 1).bit_length(), k, n))
+        config = gemv.Int4GemvConfig(**listed) if listed else pick(m, k, n, group_size)
         return config if config.dot else dataclasses.replace(config, **fields)
 
     gemv.gemv_config = patched

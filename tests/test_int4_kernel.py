@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
 from jaxllm.pallas_kernels.quantized_matmul import (
     Int4GemvConfig,
     Int4MatmulConfig,
@@ -148,6 +149,9 @@ GEMV_CASES = [
                                                   byte_permute=False, num_splits=2)),
     (256, 96, 64, 3, jnp.bfloat16, Int4GemvConfig(block_n=32, x_in_kernel=True,
                                                   splits_sum="last", loads_first=True)),
+    # int4_matmul's candidate table "loads_first" (down: 8 rows a step, prefetched)
+    *[(512, 320, 128, 1, jnp.bfloat16, Int4GemvConfig(**fields))
+      for fields in GEMV_CANDIDATE_TABLES["loads_first"].values()],
 ]
 
 
@@ -316,13 +320,16 @@ def test_gemv_splits_sums_on_the_gpu_equal_reference_and_last_is_reproducible(m,
                                    (2, 4096, 4096)])
 def test_gemv_loading_each_step_first_on_the_gpu_equals_reference(m, k, n):
     """Compiled: the products nibble by nibble across each step's rows (loads_first) at the
-    8B projections, on the table's configs and all on the denormal loop at 4 columns a thread
-    (h200_accept's LOADS_FIRST4), against the reference."""
+    8B projections, on GEMV_TABLE's configs and on int4_matmul's candidate table
+    "loads_first" (down on the denormal loop, prefetching), against the reference."""
+    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+
     w = int4_weight(k, n, 128, jnp.bfloat16, seed=k + m)
     x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), jnp.bfloat16)
     want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
+    listed = GEMV_CANDIDATE_TABLES["loads_first"].get((m, k, n), dict(loads_first=True))
     for config in (dataclasses.replace(gemv_config(m, k, n, 128), loads_first=True),
-                   Int4GemvConfig(loads_first=True, block_n=256, num_warps=2)):
+                   Int4GemvConfig(**listed)):
         got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=128, config=config)
         assert_close(got, want, x, w, scale_on_output=True)
 
@@ -411,3 +418,22 @@ def test_step_profiles_gemv_overrides_reach_the_gemv_pick_and_its_own_cache(monk
     got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=128, interpret=True)
     want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
     assert_close(got, want, x, w, scale_on_output=True)
+
+
+def test_gemv_overrides_take_a_candidate_table(monkeypatch):
+    """``--gemv-overrides table=loads_first,...``: the candidate table's config for the shapes
+    it lists, the pick elsewhere, the other fields over both; an unknown table is named."""
+    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+    from jaxllm.benchmarks.step_profile import override_gemv
+    from jaxllm.pallas_kernels.quantized_matmul import gemv
+
+    monkeypatch.setattr(gemv, "gemv_config", gemv.gemv_config)  # undone after the test
+    with pytest.raises(SystemExit, match="no candidate table 'nope'"):
+        override_gemv("table=nope")
+    override_gemv("table=loads_first,loads_first=True")
+    down = gemv.gemv_config(1, 14336, 4096, 128)
+    assert down == Int4GemvConfig(**GEMV_CANDIDATE_TABLES["loads_first"][1, 14336, 4096])
+    assert down.denormal and down.prefetch and down.block_words == 8
+    other = gemv.gemv_config(1, 8192, 1024, 128)  # not listed: the rule's pick, loads first
+    assert other.loads_first and other.block_n == 256
+    assert gemv.gemv_config(16, 4096, 6144, 128).dot

@@ -142,8 +142,9 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
 
     first_word = pl.program_id(1) * steps * step_words
 
-    def load_words(i):  # a step's word rows, i32[bn] each
-        r0 = i * step_words if isinstance(i, int) else pl.multiple_of(i * step_words, step_words)
+    def load_words(i):  # a step's word rows, i32[bn] each (i traced: the masked load of a
+        # partial column block takes no Python int index in interpret mode)
+        r0 = pl.multiple_of(jnp.asarray(i, jnp.int32) * step_words, step_words)
         return tuple(load(w_ref.at[r0 + r, :], cols < n) for r in range(step_words))
 
     def step(i, carry):
