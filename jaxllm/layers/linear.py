@@ -25,8 +25,8 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
   both dequantize in registers (decode reads a quarter of bf16's bytes); with
   ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
-  and a Hopper GPU runs every token count through one Mosaic GPU kernel (timed alone on the
-  H200, not yet in the engine).
+  and a Hopper GPU runs 1-4 tokens through the N-major GEMV and more through one Mosaic GPU
+  kernel (timed alone on the H200, not yet in the engine).
   Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
   tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
   that path's).
@@ -54,6 +54,7 @@ from jaxllm.pallas_kernels.quantized_matmul import (
     int4_matmul_reference,
     unsupported,
 )
+from jaxllm.pallas_kernels.quantized_matmul.gemv_nk import int4_gemv_nk, nk_gemv_unsupported
 from jaxllm.pallas_kernels.quantized_matmul.hopper import (
     centred_zeros_of,
     hopper_weight,
@@ -196,13 +197,14 @@ class Int4WeightNK:
         return dequantize_nibbles(self.w.T.astype(jnp.int32), self.scales, self.zeros, dtype)
 
 
-# JAXLLM_INT4_HOPPER=on: on a Hopper GPU every 4-bit projection runs the Mosaic GPU kernel
-# (pallas_kernels/quantized_matmul/hopper.py, the weight as wgmma's register operand) over
-# weights stored N-major at load (Int4WeightNK), instead of the GEMV, the tiled Triton kernel
-# and XLA's dequantize and dot. Off until the engine is timed through it (h200_accept.sh's
-# t1ah): alone on the H200 it beat XLA's path 3.2x at 128 tokens and lost to the GEMV at 1-16
-# (RESULTS.md, 2026-12-05, i5). Read where the engine loads, so listed among the executable
-# cache's program variables (executable_cache.PROGRAM_ENV).
+# JAXLLM_INT4_HOPPER=on: on a Hopper GPU the 4-bit weights are stored N-major at load
+# (Int4WeightNK) and every 4-bit projection runs over them: the N-major GEMV at 1-4 tokens
+# (gemv_nk.py), the Mosaic GPU kernel above (pallas_kernels/quantized_matmul/hopper.py, the
+# weight as wgmma's register operand), instead of the GEMV, the tiled Triton kernel and XLA's
+# dequantize and dot. Off until the engine is timed through it (h200_accept.sh's t1ah): alone
+# on the H200 the Hopper kernel beat XLA's path 3.2x at 128 tokens and lost to the GEMV at
+# 1-16 (RESULTS.md, 2026-12-05, i5); the N-major GEMV is untimed. Read where the engine
+# loads, so listed among the executable cache's program variables (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
 
 
@@ -235,16 +237,21 @@ def int4_n_major(params: Any, *, donate: bool = False) -> Any:
 
 
 def _int4_nk_matmul(x: jax.Array, kernel: Int4WeightNK, backend: str) -> jax.Array:
-    """An N-major 4-bit projection: the Hopper kernel where it runs (a GPU, or interpreted),
-    else its weight dequantized one layer at a time and dotted by XLA."""
+    """An N-major 4-bit projection where the kernels run (a GPU, or interpreted): the N-major
+    GEMV for a few tokens, the Hopper kernel for more; else its weight dequantized one layer
+    at a time and dotted by XLA."""
     if backend == "auto":
         backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     k, n = kernel.shape
     tokens = x.size // k
+    interpret = backend == "pallas_interpret"
+    if backend != "xla" and nk_gemv_unsupported(tokens, k, n, kernel.group_size) is None:
+        return int4_gemv_nk(x, kernel.w, kernel.scales, kernel.zeros,
+                            group_size=kernel.group_size, centred_zeros=True, interpret=interpret)
     if backend != "xla" and hopper_unsupported(tokens, k, n, kernel.group_size) is None:
         return int4_matmul_hopper_nk(x, kernel.w, kernel.scales, kernel.zeros,
                                      group_size=kernel.group_size, centred_zeros=True,
-                                     interpret=backend == "pallas_interpret")
+                                     interpret=interpret)
     x, weight = _after_input(x, kernel)
     return jnp.dot(x, weight.dequantize(x.dtype))
 

@@ -1,0 +1,224 @@
+"""4-bit weight GEMV over the N-major weight (int4 [N, K], K contiguous: the layout the Hopper
+kernel reads), so that one copy of the weight serves the decode steps of a few tokens and the
+Hopper kernel's larger ones (``jaxllm.layers.linear.Int4WeightNK``).
+
+The weight's bytes are read as int32 words [N, K/8] (XLA's int4 packs element 8w + j of a row
+in bits 4j..4j+3 of its word w; a bitcast, no copy), each nibble ``q - 8`` in two's complement,
+i.e. ``q ^ 8``: one XOR a word gives back q. Then the product is gemv_denormal.py's: each
+masked nibble read as a float32 subnormal against x scaled by a power of two, the zero point
+taken out of the loop. A step is one [block_n, step_words] tile of words (16-byte loads along
+K), its products taken nibble by nibble over the whole tile, so a step's loads all go out
+before its first FMA (``Int4GemvConfig.loads_first``'s order)::
+
+    grid = (cdiv(N, block_n), splits)
+    program (c, s), step over word columns [w0, w0 + sw) of split s (one group a step):
+        T      = words[c block_n .., w0 ..] ^ 0x88888888             i32[bn, sw], q nibbles
+        part  += float(T & (0xF << p_j)) * xs[m, j, w0 ..][None, :]   x8 nibbles, [bn, sw]
+        acc   += s[g][:, None] part;  corr += s[g] z[g] xsum[m, step]
+    y[m] = (sum over sw of acc - corr) 2^X_EXP -> gemv_splits.write_rows (``splits_sum``)
+
+x is pre-scaled by XLA before the call (gemv_denormal.prescaled_inputs, laid out nibble-major
+[M, 8, K/8] so that a step's x of one nibble is one contiguous load a thread). FMAs grow with
+the tokens: this serves 1-:data:`NK_GEMV_MAX_TOKENS` tokens (more: the Hopper kernel).
+:func:`int4_gemv_nk` has the signature of :func:`~.hopper.int4_matmul_hopper_nk`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .gemv_denormal import X_EXP, column_loads, prescaled_inputs
+from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
+from .hopper import centred_zeros_of
+from .reference import PER_WORD
+from .xla_int4 import CENTRE
+
+NK_GEMV_MAX_TOKENS = 4  # FMAs a token: past a few tokens the Hopper kernel's tile wins
+FLIP = -0x77777778  # 0x88888888 as an int32: XOR turns each nibble q - 8 back into q
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4GemvNKConfig:
+    """Tunables of the N-major GEMV (static: each distinct config is one compile)."""
+
+    block_n: int = 256  # output columns (weight rows) per program
+    num_warps: int = 4
+    num_splits: int | None = None  # split-K partitions; None: auto
+    target_programs: int = 512  # auto: double the splits while the grid is smaller than this
+    max_splits: int = 32
+    splits_sum: str = "xla"  # as Int4GemvConfig.splits_sum (gemv_splits.py)
+
+    def __post_init__(self):
+        for name in ("block_n", "max_splits", "num_warps"):
+            if not _is_pow2(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
+        if self.num_splits is not None and not _is_pow2(self.num_splits):
+            raise ValueError(f"num_splits={self.num_splits} must be a power of two or None")
+        if self.splits_sum not in SPLITS_SUMS:
+            raise ValueError(f"splits_sum={self.splits_sum!r} must be one of {SPLITS_SUMS}")
+
+    def splits(self, k: int, n: int, step_words: int) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        steps, col_blocks = k // PER_WORD // step_words, pl.cdiv(n, self.block_n)
+        splits = 1
+        while (splits * 2 <= self.max_splits and steps % (splits * 2) == 0
+               and col_blocks * splits < self.target_programs):
+            splits *= 2
+        return splits
+
+
+def nk_gemv_config(m: int) -> Int4GemvNKConfig:
+    """The config for ``m`` tokens: each token keeps a [block_n, step] partial sum in
+    registers, so the column block halves as the tokens double."""
+    return Int4GemvNKConfig(block_n=256 // min(4, 1 << max(0, m - 1).bit_length()))
+
+
+def step_words_of(group_size: int) -> int:
+    """Word columns a step: the group's, at most 16 (a step never crosses a group)."""
+    words = group_size // PER_WORD
+    return min(16, words & -words)
+
+
+def nk_gemv_unsupported(m: int, k: int, n: int, group_size: int,
+                        config: Int4GemvNKConfig | None = None) -> str | None:
+    """Why the N-major GEMV cannot take this shape (None: it can)."""
+    config = config or nk_gemv_config(m)
+    if not 1 <= m <= NK_GEMV_MAX_TOKENS:
+        return f"{m} tokens: the N-major GEMV takes 1-{NK_GEMV_MAX_TOKENS}"
+    if k % PER_WORD or group_size % PER_WORD or k % group_size:
+        return f"group_size={group_size} must be a multiple of {PER_WORD} dividing K={k}"
+    step = step_words_of(group_size)
+    if step < 4:
+        return f"group_size={group_size}: steps of {step} word columns are below a 16-byte load"
+    splits = config.splits(k, n, step)
+    if (k // PER_WORD) % (step * splits):
+        return f"K/8={k // PER_WORD} is not a multiple of {step} word columns x {splits} splits"
+    return None
+
+
+def _kernel(xs_ref, xsum_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int,
+            step_words: int, group_words: int, out_n: int | None, mode: str, interpret: bool):
+    # xs_ref f32[M, 8, K/8] (x scaled per nibble position), xsum_ref f32[M, K/8/step_words];
+    # w_ref i32[block_n, K/8/splits] (q - 8 nibbles); s_ref [G, block_n]; z_ref [G, block_n]
+    # (z - 8 in the scales' dtype); out_refs: gemv_splits.split_outputs' for ``mode``
+    rows = xs_ref.shape[0]
+    block_n = w_ref.shape[0]
+    cols, load = column_loads(n, block_n, evict_first=False)
+    first_word = pl.program_id(1) * steps * step_words
+
+    def step(i, carry):
+        acc, corr = carry
+        r0 = pl.multiple_of(i * step_words, step_words)
+        word = first_word + r0
+        group = word // group_words
+        scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
+        zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32) + CENTRE
+        words = load(w_ref.at[:, pl.ds(r0, step_words)], (cols < n)[:, None]) ^ FLIP
+        high = jnp.right_shift(words, 16)  # nibbles 6, 7 at bits 8..15 (sign bits masked)
+        parts = [None] * rows
+        for j in range(PER_WORD):
+            src, pos = (words, 4 * j) if j < 6 else (high, 4 * j - 16)
+            bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos - 149)
+            if interpret:  # XLA:CPU flushes subnormals: q, against x scaled by 2^-X_EXP
+                w = jnp.right_shift(bits, pos).astype(jnp.float32)
+            else:
+                w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            for m in range(rows):
+                t = w * xs_ref[m, j, pl.ds(word, step_words)][None, :]  # [bn, sw]
+                parts[m] = t if parts[m] is None else parts[m] + t
+        acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
+        corr = tuple(c + (scale * zero) * xsum_ref[m, word // step_words]
+                     for m, c in enumerate(corr))
+        return acc, corr
+
+    init = (tuple(jnp.zeros((block_n, step_words), jnp.float32) for _ in range(rows)),
+            tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows)))
+    acc, corr = jax.lax.fori_loop(0, steps, step, init)
+    ys = [(a.sum(axis=1) - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
+    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config",
+                                             "centred_zeros"))
+def int4_gemv_nk(
+    x: jax.Array,  # [.., K]
+    weight: jax.Array,  # int4[N, K] (hopper.hopper_weight: q - 8, K contiguous)
+    scales: jax.Array,  # [G, N]
+    zeros: jax.Array,  # u8[G, N], or with centred_zeros z - 8 in the scales' dtype
+    *,
+    group_size: int,
+    interpret: bool = False,
+    config: Int4GemvNKConfig | None = None,
+    centred_zeros: bool = False,
+) -> jax.Array:  # [.., N] in x's dtype
+    """Same contract as :func:`~.hopper.int4_matmul_hopper_nk`; raises ValueError for a shape
+    :func:`nk_gemv_unsupported` names."""
+    *lead, k = x.shape
+    n, k_w = weight.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    config = config or nk_gemv_config(m)
+    reason = nk_gemv_unsupported(m, k, n, group_size, config)
+    if reason is not None or k_w != k:
+        raise ValueError(reason or f"x has K={k}, the weight {k_w}")
+    words = k // PER_WORD
+    step = step_words_of(group_size)
+    splits = config.splits(k, n, step)
+    split_words = words // splits
+    # the weight's bytes as words [N, K/8] (a bitcast); x scaled per nibble position (no byte
+    # permute: nibbles 6, 7 from the word shifted by 16), nibble-major
+    w32 = jax.lax.bitcast_convert_type(weight.reshape(n, words, PER_WORD), jnp.int32)
+    xs, xsum = prescaled_inputs(x2.reshape(m, words, PER_WORD), step, pairs=False,
+                                interpret=interpret)
+    xs = xs.transpose(0, 2, 1)  # [M, 8, K/8]
+    z = zeros if centred_zeros else centred_zeros_of(zeros, scales.dtype)
+    mode = "one" if splits == 1 else config.splits_sum
+    exact = mode in ("one", "last")
+    outs = split_outputs(mode, splits=splits, rows=m, n=n, block_n=config.block_n,
+                         dtype=x.dtype, exact=exact)
+    kernel = functools.partial(
+        _kernel, n=n, steps=split_words // step, step_words=step,
+        group_words=group_size // PER_WORD, mode=mode, interpret=interpret,
+        out_n=n if exact and n % config.block_n else None)
+    groups = scales.shape[0]
+    in_specs = [
+        pl.BlockSpec(xs.shape, lambda c, s: (0, 0, 0)),
+        pl.BlockSpec(xsum.shape, lambda c, s: (0, 0)),
+        pl.BlockSpec((config.block_n, split_words), lambda c, s: (c, s)),
+        pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
+    ]
+    result = pl.pallas_call(
+        _dropping_zeroed(kernel, len(outs.zeros)),
+        grid=(pl.cdiv(n, config.block_n), splits),
+        in_specs=in_specs,
+        out_specs=outs.specs,
+        out_shape=outs.shapes,
+        input_output_aliases={5 + j: i for j, (_, i) in enumerate(outs.zeros)},
+        compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
+        interpret=interpret,
+        name="int4_gemv_nk",
+    )(xs, xsum, w32, scales, z, *[a for a, _ in outs.zeros])
+    return outs.result(result, m, n, x.dtype).reshape(*lead, n)
+
+
+def _dropping_zeroed(kernel, n_zeros: int):
+    """The kernel over pallas_call's refs, the zeroed inputs aliased to outputs dropped (the
+    kernel writes their outputs)."""
+
+    def flat(*refs):
+        kernel(*refs[:5], *refs[5 + n_zeros:])
+
+    return flat
