@@ -242,11 +242,16 @@ only17() {
     # the H200 on 2026-12-05 at 16beaaf): its GPU tests (g9), then, only when they passed, i5
     # (timed beside bf16 and XLA's path at the AWQ engine's decode and mid-size steps) and
     # t1ah (the AWQ engine through it); "t1ah" alone skips i5's ~150 s
-    if picked i5 || picked t1ah; then
-      step g9_int4_hopper_tests 40 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-        tests/test_int4_hopper.py
+    if picked i5 || picked t1ah || picked i6; then
+      step g9_int4_hopper_tests 60 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_int4_hopper.py tests/test_int4_gemv_nk.py
     fi
     if grep -qE "^[0-9]+ passed" "$DIR"/g9_*.log 2>/dev/null; then
+      # i6: the GEMVs at 1 / 2 / 4 tokens in one process: the table's, loads first, the
+      # candidate table, and the GEMV over the N-major weight beside the Hopper kernel (~90 s)
+      picked i6 && step i6_int4_gemvs 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+        --shapes qkv,o,gate_up,down --tokens 1,2,4 --hopper --gemv-modes --copies 8 --iters 20 \
+        --output-json "$DIR/i6_int4_gemvs.json"
       picked i5 && step i5_int4_hopper 60 300 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
         --shapes gate_up,down,qkv --tokens 1,16,128,512 --with-xla --hopper --hopper-sweep \
         --copies 8 --iters 20 --output-json "$DIR/i5_int4_hopper.json"
@@ -329,18 +334,22 @@ LOADS_FIRST="table=loads_first,loads_first=True"
 LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-
   awq_skip_stage_last:awq:on:yes:splits_sum=last bf16_default:bf16:off:no:-
   awq_skip_stage_lf:awq:on:yes:$LOADS_FIRST awq_lf:awq:off:no:$LOADS_FIRST
+  awqnk_skip_stage:awqnk:on:yes:- awqnk_default:awqnk:off:no:-
   bf16_skip_stage:bf16:on:yes:- awq_stage:awq:on:no:- awq_default_last:awq:off:no:splits_sum=last
   awq_skip_stage_last_x:awq:on:yes:splits_sum=last,x_in_kernel=True"
 launch_matrix() {
   local case tag q stage skip gemv
   for case in ${LM_ONLY:-$LM_CASES}; do
     IFS=: read -r tag q stage skip gemv <<< "$case"
-    local extra=() flags="${XLA_FLAGS:-}"
+    local extra=() flags="${XLA_FLAGS:-}" hopper=off
     [ "$q" = awq ] && extra+=(--quantization awq)
+    # awqnk: the weights N-major (JAXLLM_INT4_HOPPER=on): 1-4 tokens through gemv_nk
+    [ "$q" = awqnk ] && extra+=(--quantization awq) && hopper=on
     [ "$gemv" != "-" ] && extra+=(--gemv-overrides "$gemv")
     [ "$skip" = yes ] && flags="$flags $LM_SKIP"
     echo "== $tag" >> "$DIR/lm_cases.txt"
-    XLA_FLAGS="$flags" JAXLLM_STAGE_STEP_INPUT=$stage decode_timeline 1 2 "$DIR/lm_$tag.json" \
+    XLA_FLAGS="$flags" JAXLLM_STAGE_STEP_INPUT=$stage JAXLLM_INT4_HOPPER=$hopper \
+      decode_timeline 1 2 "$DIR/lm_$tag.json" \
       "${extra[@]}" > "$DIR/lm_$tag.log" 2>&1
     grep -h "^decode 1-16\|^total\|^host ms" "$DIR/lm_$tag.log" >> "$DIR/lm_cases.txt"
   done

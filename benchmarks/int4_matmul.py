@@ -18,7 +18,8 @@ printed and skipped; the JSON is rewritten after every row, so a run cut short k
 lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py). ``--gemv-before``
 adds the GEMV as it was before its denormal inner loop ("gemv before"), timed in the same
 process as the current one ("gemv"). ``--hopper`` adds the Mosaic GPU kernel
-(``int4_matmul_hopper_nk``, the weight converted to int4 [N, K] before the timing):
+(``int4_matmul_hopper_nk``, the weight converted to int4 [N, K] before the timing) and, at 1-4
+tokens, the GEMV over that same weight (``int4_gemv_nk``):
 
     python -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1 --gemv-before --gemv-sweep
 
@@ -145,6 +146,7 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         Int4MatmulConfig,
         gemv_config,
         gemv_unsupported,
+        nk_gemv_unsupported,
         unsupported,
     )
     from jaxllm.pallas_kernels.quantized_matmul.hopper import config_for as hopper_config_for
@@ -155,6 +157,8 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         variants["xla dequantize + dot"] = ("xla", None)
     if args.xla_int4:
         variants["xla int4 gemm"] = ("xla_int4", None)
+    if args.hopper and nk_gemv_unsupported(tokens, k, n, group) is None:
+        variants["gemv over N-major"] = ("gemv_nk", None)  # the Hopper layout's few tokens
     if args.hopper and hopper_unsupported(tokens, k, n, group) is None:
         variants["hopper kernel"] = ("hopper", None)
         for label, kwargs in HOPPER_SWEEP if args.hopper_sweep else ():
@@ -196,6 +200,7 @@ def _program(kind: str, config, group: int, interpret: bool):
     import jax
     from jaxllm.pallas_kernels.quantized_matmul import (
         int4_gemv,
+        int4_gemv_nk,
         int4_matmul,
         int4_matmul_reference,
         int4_matmul_xla_int4,
@@ -205,9 +210,11 @@ def _program(kind: str, config, group: int, interpret: bool):
 
     if kind == "bf16":
         return jax.jit(lambda xs, ws: [x @ w for x, w in zip(xs, ws, strict=True)]), None
-    # "hopper" takes the weight as int4 [N, K] (hopper_weight, converted outside the timing)
+    # "hopper" and "gemv_nk" take the weight as int4 [N, K] (hopper_weight, converted outside
+    # the timing)
     impl = {"xla": int4_matmul_reference, "matmul": int4_matmul, "gemv": int4_gemv,
-            "xla_int4": int4_matmul_xla_int4, "hopper": int4_matmul_hopper_nk}[kind]
+            "xla_int4": int4_matmul_xla_int4, "hopper": int4_matmul_hopper_nk,
+            "gemv_nk": int4_gemv_nk}[kind]
     kwargs = {"config": config} if config is not None else {}
     if kind != "xla" and interpret:
         kwargs["interpret"] = True
@@ -302,7 +309,8 @@ def run(args) -> dict:
                         if kind == "bf16":
                             fargs = (xs, w16)
                         else:
-                            fargs = (xs, hopper_weights(qw) if kind == "hopper" else qw,
+                            n_major = kind in ("hopper", "gemv_nk")
+                            fargs = (xs, hopper_weights(qw) if n_major else qw,
                                      scales, zeros)
                             got = one(*(a[0] for a in fargs)).astype(jnp.float32)
                             row["max_err"] = float(jnp.max(jnp.abs(got - expected)))

@@ -16,7 +16,9 @@ instruction count (``cuobjdump -res-usage``). ``--kernel gemv`` (the int4 GEMV o
 --n] weight at --tokens, group --group-size, with the config gemv_config picks or
 --gemv-config's fields) has no MMA: its main loop is its longest backward branch (or, when each
 program runs one step and the loop is gone, the whole kernel), printed with instructions per
-thread and iteration, per weight, and every opcode.
+thread and iteration, per weight, and every opcode, its registers and the 16-byte loads it
+issues before its first FMA; ``--kernel gemv_nk`` the same for the GEMV over the N-major
+weight (gemv_nk.py).
 
     python -m jaxllm.benchmarks.kernel_sass --kernel decode --kv-dtype float8_e4m3fn \\
         --triton-python /tmp/tvenv/bin/python --output-json sass.json
@@ -101,12 +103,19 @@ def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
     weight at ``tokens`` bf16 rows, and its warps and stages."""
     import jax
     import jax.numpy as jnp
-    from jaxllm.pallas_kernels.quantized_matmul import int4_gemv, int4_matmul
+    from jaxllm.pallas_kernels.quantized_matmul import int4_gemv, int4_gemv_nk, int4_matmul
 
+    spec = jax.ShapeDtypeStruct
+    if kernel == "gemv_nk":  # the N-major weight, its zero points centred (as the engine's)
+        args = [spec((tokens, k), jnp.bfloat16), spec((n, k), jnp.int4),
+                spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16)]
+        ttir = _capture(lambda x, w, s, z: int4_gemv_nk(x, w, s, z, group_size=group,
+                                                        config=config, centred_zeros=True),
+                        args)
+        return ttir, config.num_warps, 1
     run = {"gemv": int4_gemv, "matmul": int4_matmul}[kernel]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in [
-        ((tokens, k), jnp.bfloat16), ((k // 8, n), jnp.int32), ((k // group, n), jnp.bfloat16),
-        ((k // group, n), jnp.uint8)]]
+    args = [spec((tokens, k), jnp.bfloat16), spec((k // 8, n), jnp.int32),
+            spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.uint8)]
     ttir = _capture(lambda x, q, s, z: run(x, q, s, z, group_size=group, config=config), args)
     return ttir, config.num_warps, config.num_stages
 
@@ -207,21 +216,44 @@ def config_fields(text: str | None) -> dict:
 
 
 def _gemv_config(args):
-    """The config named by --gemv-config (fields over the defaults), else gemv_config's."""
-    from jaxllm.pallas_kernels.quantized_matmul import Int4GemvConfig, gemv_config
+    """The config named by --gemv-config (fields over the defaults), else the kernel's pick
+    (gemv_config's, or for gemv_nk nk_gemv_config's)."""
+    from jaxllm.pallas_kernels.quantized_matmul import (
+        Int4GemvConfig,
+        Int4GemvNKConfig,
+        gemv_config,
+    )
+    from jaxllm.pallas_kernels.quantized_matmul.gemv_nk import nk_gemv_config
 
+    if args.kernel == "gemv_nk":
+        if args.gemv_config is None:
+            return nk_gemv_config(args.tokens)
+        return Int4GemvNKConfig(**config_fields(args.gemv_config))
     if args.gemv_config is None:
         return gemv_config(args.tokens, args.k, args.n, args.group_size)
     return Int4GemvConfig(**config_fields(args.gemv_config))
 
 
+def first_load_burst(sass: str) -> int:
+    """16-byte global loads issued before the first FMA: how many of a step's weight loads a
+    thread has in flight at once (ptxas may sink each just ahead of its products)."""
+    burst = 0
+    for op in _opcodes(sass):
+        if op.startswith("LDG.E.128"):
+            burst += 1
+        elif op.startswith("FFMA") and burst:
+            break
+    return burst
+
+
 def run_gemv(args) -> dict:
     """The GEMV's main loop (its longest loop): instructions per iteration and per weight."""
     from jaxllm.benchmarks.provenance import source_commit, write_json
+    from jaxllm.pallas_kernels.quantized_matmul.gemv_nk import step_words_of
     from jaxllm.pallas_kernels.quantized_matmul.reference import PER_WORD
 
     config = _gemv_config(args)
-    ttir, warps, stages = capture_int4("gemv", args.k, args.n, args.tokens,
+    ttir, warps, stages = capture_int4(args.kernel, args.k, args.n, args.tokens,
                                        args.group_size, config)
     usage = {}
     sass = compile_sass(ttir, warps, stages, args.triton_python, usage)
@@ -229,8 +261,13 @@ def run_gemv(args) -> dict:
         with open(args.sass_out, "w") as f:
             f.write(sass)
     found = loops(sass, mma_only=False)
-    step = config.step_words(args.k, args.group_size)
-    steps = args.k // PER_WORD // step // config.splits(args.k, args.n, args.group_size)
+    if args.kernel == "gemv_nk":
+        step = step_words_of(args.group_size)
+        splits = config.splits(args.k, args.n, step)
+    else:
+        step = config.step_words(args.k, args.group_size)
+        splits = config.splits(args.k, args.n, args.group_size)
+    steps = args.k // PER_WORD // step // splits
     if found:
         main_loop = max(found, key=lambda loop: loop["instructions"])
         iterations = 1
@@ -243,16 +280,20 @@ def run_gemv(args) -> dict:
     # with 32 x num_warps threads; a SASS instruction is one per thread.
     weights = iterations * step * PER_WORD * config.block_n
     per_thread = weights / (32 * warps)
-    result = {"commit": source_commit(), "kernel": "gemv", "k": args.k, "n": args.n,
+    result = {"commit": source_commit(), "kernel": args.kernel, "k": args.k, "n": args.n,
               "tokens": args.tokens, "group_size": args.group_size, "config": repr(config),
               "steps_per_program": steps,
               "num_warps": warps, "num_stages": stages, "resources": usage,
+              "first_load_burst": first_load_burst(sass), "programs":
+              -(-args.n // config.block_n) * splits,
               "weights_per_iteration": weights,
               "weights_per_thread": per_thread, "loops": found,
               "main_loop": main_loop,
               "instructions_per_weight": main_loop["instructions"] / per_thread}
-    print(f"gemv K={args.k} N={args.n} tokens={args.tokens} group={args.group_size}: {config}")
-    print(f"  resources: {usage}")
+    print(f"{args.kernel} K={args.k} N={args.n} tokens={args.tokens} group={args.group_size}: "
+          f"{config}")
+    print(f"  resources: {usage}; {result['programs']} programs; 16-byte loads before the "
+          f"first FMA: {result['first_load_burst']}")
     print(f"  main loop at {main_loop['start']}: {main_loop['instructions']} instructions an "
           f"iteration per thread ({steps} steps a program), {per_thread:g} weights per thread -> "
           f"{result['instructions_per_weight']:.2f} instructions per weight")
@@ -287,7 +328,7 @@ def run_activation_quant(args) -> dict:
 def run(args) -> dict:
     from jaxllm.benchmarks.provenance import source_commit, write_json
 
-    if args.kernel == "gemv":
+    if args.kernel in ("gemv", "gemv_nk"):
         return run_gemv(args)
     if args.kernel in ACTIVATION_KERNELS:
         return run_activation_quant(args)
@@ -320,7 +361,8 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="decode",
-                        choices=["decode", "prefill", "gemv", "matmul", *ACTIVATION_KERNELS])
+                        choices=["decode", "prefill", "gemv", "gemv_nk", "matmul",
+                                 *ACTIVATION_KERNELS])
     parser.add_argument("--kv-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
     parser.add_argument("--tokens", type=int, default=None,
                         help="decode: sequences (256); prefill: chunk tokens (2048); gemv: 1")
@@ -333,7 +375,8 @@ def main(argv=None) -> None:
                         help="swiglu_fp8: the MLP's width (gate, up pairs)")
     parser.add_argument("--gemv-config", default=None,
                         help="gemv: Int4GemvConfig fields, e.g. 'block_n=256,num_warps=8' "
-                        "(default: gemv_config's pick, GEMV_TABLE's entry where listed)")
+                        "(default: gemv_config's pick, GEMV_TABLE's entry where listed); "
+                        "gemv_nk: Int4GemvNKConfig fields (default: nk_gemv_config's)")
     parser.add_argument("--matmul-config", default=None,
                         help="matmul (the tiled int4 kernel): Int4MatmulConfig fields, e.g. "
                         "'one_dot=True' (default: the defaults)")
@@ -344,7 +387,7 @@ def main(argv=None) -> None:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokens is None:
-        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "matmul": 128,
+        args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "gemv_nk": 1, "matmul": 128,
                        "rmsnorm_fp8": 64, "swiglu_fp8": 64}[args.kernel]
     run(args)
 

@@ -14,12 +14,15 @@ before its first FMA (``Int4GemvConfig.loads_first``'s order)::
     program (c, s), step over word columns [w0, w0 + sw) of split s (one group a step):
         T      = words[c block_n .., w0 ..] ^ 0x88888888             i32[bn, sw], q nibbles
         part  += float(T & (0xF << p_j)) * xs[m, j, w0 ..][None, :]   x8 nibbles, [bn, sw]
-        acc   += s[g][:, None] part;  corr += s[g] z[g] xsum[m, step]
+        acc   += s[g][:, None] part;  corr += s[g] z[g] (sum of the step's x) 2^-X_EXP
     y[m] = (sum over sw of acc - corr) 2^X_EXP -> gemv_splits.write_rows (``splits_sum``)
 
-x is pre-scaled by XLA before the call (gemv_denormal.prescaled_inputs, laid out nibble-major
-[M, 8, K/8] so that a step's x of one nibble is one contiguous load a thread). FMAs grow with
-the tokens: this serves 1-:data:`NK_GEMV_MAX_TOKENS` tokens (more: the Hopper kernel).
+x comes scaled per nibble position and laid out nibble-major (:func:`nibble_major_x`, [M, 8,
+K/8]: a step's x of one nibble is one contiguous load a thread): one elementwise op for XLA
+(in the compiled Llama-3-8B step fused into its producer for one projection of four, a small
+kernel of its own for the others); the step's sum of x, for the zero points, is taken from
+those same loads in the kernel (exact powers of two back). FMAs grow with the tokens: this
+serves 1-:data:`NK_GEMV_MAX_TOKENS` tokens (more: the Hopper kernel).
 :func:`int4_gemv_nk` has the signature of :func:`~.hopper.int4_matmul_hopper_nk`.
 """
 
@@ -30,10 +33,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import X_EXP, column_loads, prescaled_inputs
+from .gemv_denormal import X_EXP, column_loads, x_unit
 from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
 from .hopper import centred_zeros_of
 from .reference import PER_WORD
@@ -107,9 +111,25 @@ def nk_gemv_unsupported(m: int, k: int, n: int, group_size: int,
     return None
 
 
-def _kernel(xs_ref, xsum_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int,
-            step_words: int, group_words: int, out_n: int | None, mode: str, interpret: bool):
-    # xs_ref f32[M, 8, K/8] (x scaled per nibble position), xsum_ref f32[M, K/8/step_words];
+def _unit(j: int, interpret: bool) -> int:
+    """log2 of the power of two x[.., 8w + j] comes scaled by (gemv_denormal.x_unit without
+    the byte permute: nibbles 6, 7 sit at bits 8, 12 of the word shifted by 16)."""
+    return x_unit(0, j, pairs=False, interpret=interpret)
+
+
+def nibble_major_x(x: jax.Array, interpret: bool) -> jax.Array:
+    """x [M, K] -> f32[M, 8, K/8]: x[m, 8w + j] 2^unit_j at [m, j, w] (exact: powers of two),
+    one elementwise op for XLA (which can fuse it into x's producer)."""
+    m, k = x.shape
+    unit = np.ldexp(np.float32(1), np.asarray([_unit(j, interpret) for j in range(PER_WORD)],
+                                              np.int32)).astype(np.float32)
+    return (x.astype(jnp.float32).reshape(m, k // PER_WORD, PER_WORD) * unit).transpose(0, 2, 1)
+
+
+def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_words: int,
+            group_words: int, out_n: int | None, mode: str, interpret: bool):
+    # xs_ref f32[M, 8, K/8] (nibble_major_x: x scaled per nibble position; a step's sum of x
+    # is taken from it in the kernel, no XLA reduction before the call);
     # w_ref i32[block_n, K/8/splits] (q - 8 nibbles); s_ref [G, block_n]; z_ref [G, block_n]
     # (z - 8 in the scales' dtype); out_refs: gemv_splits.split_outputs' for ``mode``
     rows = xs_ref.shape[0]
@@ -126,7 +146,7 @@ def _kernel(xs_ref, xsum_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int
         zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32) + CENTRE
         words = load(w_ref.at[:, pl.ds(r0, step_words)], (cols < n)[:, None]) ^ FLIP
         high = jnp.right_shift(words, 16)  # nibbles 6, 7 at bits 8..15 (sign bits masked)
-        parts = [None] * rows
+        parts, xs = [None] * rows, [None] * rows
         for j in range(PER_WORD):
             src, pos = (words, 4 * j) if j < 6 else (high, 4 * j - 16)
             bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos - 149)
@@ -135,11 +155,14 @@ def _kernel(xs_ref, xsum_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int
             else:
                 w = jax.lax.bitcast_convert_type(bits, jnp.float32)
             for m in range(rows):
-                t = w * xs_ref[m, j, pl.ds(word, step_words)][None, :]  # [bn, sw]
+                xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
+                t = w * xj[None, :]  # [bn, sw]
                 parts[m] = t if parts[m] is None else parts[m] + t
+                x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact): the step's sum of x
+                xs[m] = x1 if xs[m] is None else xs[m] + x1
         acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
-        corr = tuple(c + (scale * zero) * xsum_ref[m, word // step_words]
-                     for m, c in enumerate(corr))
+        corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
+                     for c, x in zip(corr, xs, strict=True))
         return acc, corr
 
     init = (tuple(jnp.zeros((block_n, step_words), jnp.float32) for _ in range(rows)),
@@ -176,12 +199,8 @@ def int4_gemv_nk(
     step = step_words_of(group_size)
     splits = config.splits(k, n, step)
     split_words = words // splits
-    # the weight's bytes as words [N, K/8] (a bitcast); x scaled per nibble position (no byte
-    # permute: nibbles 6, 7 from the word shifted by 16), nibble-major
-    w32 = jax.lax.bitcast_convert_type(weight.reshape(n, words, PER_WORD), jnp.int32)
-    xs, xsum = prescaled_inputs(x2.reshape(m, words, PER_WORD), step, pairs=False,
-                                interpret=interpret)
-    xs = xs.transpose(0, 2, 1)  # [M, 8, K/8]
+    w32 = jax.lax.bitcast_convert_type(weight.reshape(n, words, PER_WORD), jnp.int32)  # bitcast
+    xs = nibble_major_x(x2, interpret)  # [M, 8, K/8]
     z = zeros if centred_zeros else centred_zeros_of(zeros, scales.dtype)
     mode = "one" if splits == 1 else config.splits_sum
     exact = mode in ("one", "last")
@@ -194,7 +213,6 @@ def int4_gemv_nk(
     groups = scales.shape[0]
     in_specs = [
         pl.BlockSpec(xs.shape, lambda c, s: (0, 0, 0)),
-        pl.BlockSpec(xsum.shape, lambda c, s: (0, 0)),
         pl.BlockSpec((config.block_n, split_words), lambda c, s: (c, s)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
@@ -206,11 +224,11 @@ def int4_gemv_nk(
         in_specs=in_specs,
         out_specs=outs.specs,
         out_shape=outs.shapes,
-        input_output_aliases={5 + j: i for j, (_, i) in enumerate(outs.zeros)},
+        input_output_aliases={4 + j: i for j, (_, i) in enumerate(outs.zeros)},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="int4_gemv_nk",
-    )(xs, xsum, w32, scales, z, *[a for a, _ in outs.zeros])
+    )(xs, w32, scales, z, *[a for a, _ in outs.zeros])
     return outs.result(result, m, n, x.dtype).reshape(*lead, n)
 
 
@@ -219,6 +237,6 @@ def _dropping_zeroed(kernel, n_zeros: int):
     kernel writes their outputs)."""
 
     def flat(*refs):
-        kernel(*refs[:5], *refs[5 + n_zeros:])
+        kernel(*refs[:4], *refs[4 + n_zeros:])
 
     return flat
