@@ -48,7 +48,10 @@
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
 #   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
 #   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
-#   the same with every GEMV loading its step's words first (loads_first)
+#   the same with every GEMV loading its step's words first (loads_first); "i6": the GEMVs
+#   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
+#   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
+#   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -292,6 +295,18 @@ only17() {
         --output-json "$DIR/w5_restart_orbax.json"
       rm -rf "$hf" "$orbax"
     fi
+    # Issue 16's Llama-3-70B AWQ on one H200: x1 the batch-1 decode step against its roofline
+    # (bench latency; x1h the same on the N-major weights: gemv_nk), x3 served (~5.5 minutes)
+    local lat70="${LATENCY//$'\n'/ }"
+    lat70="${lat70/llama-3-8b/llama-3-70b}"
+    lat70="${lat70/1,64,256/1}"
+    picked x1 && step x1_latency_70b_awq 90 240 bash -c "$PY $lat70 -q awq \
+      --output-json $DIR/x1_latency_70b_awq.json"
+    picked x1h && step x1h_latency_70b_awq_nk 90 240 bash -c "JAXLLM_INT4_HOPPER=on \
+      $PY $lat70 -q awq --output-json $DIR/x1h_latency_70b_awq_nk.json"
+    export -f served
+    picked x3 && step x3_served_70b_awq 280 330 bash -c "DIR=$DIR PY=$PY MODEL=llama-3-70b \
+      DTYPE=bfloat16 N=300 N_RATED=100 ENGINE='$BIG' SERVE_FLAGS='$SERVE_FLAGS'; served x3 inf,10"
   }
   return 0
 }
