@@ -206,6 +206,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
+    from jaxllm.layers.linear import int4_hopper_enabled
     from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -214,6 +215,8 @@ def run(args: argparse.Namespace) -> dict:
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
                               quantization=args.quantization, pipeline_parallel_size=pp)
+    # the 4-bit weights N-major under JAXLLM_INT4_HOPPER=on, as the engine stores them
+    model = model.with_int4_n_major(int4_hopper_enabled(), donate=True)
     from jaxllm.kv_pool import kv_cache_dtype
 
     kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
