@@ -360,3 +360,20 @@ def test_command_buffer_log_counts_xlas_graph_updates(tmp_path):
     assert (s["commands_recorded"], s["commands_skipped"]) == (4 + 7, 36)
     assert s["by_size"] == {"7": {"updates": 1, "update_us": 30},
                             "40": {"updates": 1, "update_us": 120}}
+
+
+def test_latency_stores_4bit_weights_n_major_under_the_hopper_switch(tiny_config, tmp_path,
+                                                                      monkeypatch):
+    """``bench latency -q awq`` under ``JAXLLM_INT4_HOPPER=on`` times the weights as the engine
+    stores them (N-major, zero points centred in the scales' dtype: more bytes than the packed
+    u8 zero points), not the packed ones."""
+    weights = {}
+    for setting in ("off", "on"):
+        monkeypatch.setenv("JAXLLM_INT4_HOPPER", setting)
+        out = tmp_path / f"lat_{setting}.json"
+        assert bench_main(["latency", *tiny_bench_args(tiny_config), "-q", "awq",
+                           "--unroll-layers", "--batch-sizes", "1", "--context-len", "32",
+                           "--iters", "2", "--warmup-iters", "1", "--bandwidth-gbps", "100",
+                           "--output-json", str(out)]) in (0, None)
+        weights[setting] = json.loads(out.read_text())["weight_bytes"]
+    assert weights["on"] > weights["off"]
