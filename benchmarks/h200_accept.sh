@@ -350,6 +350,7 @@ LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-
   awq_skip_stage_last:awq:on:yes:splits_sum=last bf16_default:bf16:off:no:-
   awq_skip_stage_lf:awq:on:yes:$LOADS_FIRST awq_lf:awq:off:no:$LOADS_FIRST
   awqnk_skip_stage:awqnk:on:yes:- awqnk_default:awqnk:off:no:-
+  awqnk_skip_stage_lx:awqnk:on:yes:nk.splits_sum=last,nk.x_in_kernel=True
   bf16_skip_stage:bf16:on:yes:- awq_stage:awq:on:no:- awq_default_last:awq:off:no:splits_sum=last
   awq_skip_stage_last_x:awq:on:yes:splits_sum=last,x_in_kernel=True"
 launch_matrix() {

@@ -65,16 +65,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def override_gemv(text: str) -> str:
     """Makes the int4 GEMV put ``text``'s fields over every (non-dot) config it picks (with
-    ``table=NAME``, int4_matmul's candidate table NAME's config where it lists the shape);
-    returns a compile-cache directory for these programs (the engine's executable cache keys
-    on the model and engine, not on a patched kernel config)."""
+    ``table=NAME``, int4_matmul's candidate table NAME's config where it lists the shape), and
+    the GEMV over the N-major weight (gemv_nk.py) its ``nk.FIELD`` ones; returns a
+    compile-cache directory for these programs (the engine's executable cache keys on the
+    model and engine, not on a patched kernel config)."""
     import dataclasses
 
     from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
     from jaxllm.benchmarks.kernel_sass import config_fields
-    from jaxllm.pallas_kernels.quantized_matmul import gemv
+    from jaxllm.pallas_kernels.quantized_matmul import gemv, gemv_nk
 
     fields = config_fields(text)
+    nk_fields = {name[3:]: fields.pop(name) for name in list(fields) if name.startswith("nk.")}
+    if nk_fields:
+        nk_pick = gemv_nk.nk_gemv_config
+        gemv_nk.nk_gemv_config = lambda m: dataclasses.replace(nk_pick(m), **nk_fields)
     name = fields.pop("table", None)
     if name is not None and name not in GEMV_CANDIDATE_TABLES:
         raise SystemExit(f"--gemv-overrides: no candidate table {name!r} "

@@ -27,6 +27,11 @@ CASES = [  # k, n, group, tokens, dtype, config (None: nk_gemv_config's)
     (512, 192, 32, 3, jnp.bfloat16, Int4GemvNKConfig(block_n=64)),
     (1024, 128, 128, 4, jnp.float32, Int4GemvNKConfig(block_n=32, num_splits=4)),
     (1024, 96, 256, 2, jnp.float32, Int4GemvNKConfig(block_n=32, splits_sum="atomic")),
+    # x read as it is and scaled in the kernel
+    (512, 256, 128, 1, jnp.bfloat16, Int4GemvNKConfig(x_in_kernel=True)),
+    (256, 100, 64, 3, jnp.bfloat16, Int4GemvNKConfig(block_n=64, x_in_kernel=True,
+                                                     splits_sum="last")),
+    (512, 64, 32, 2, jnp.float32, Int4GemvNKConfig(block_n=32, x_in_kernel=True)),
 ]
 
 
@@ -78,14 +83,17 @@ def test_the_column_block_halves_as_the_tokens_double():
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
-@pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (1, 4096, 28672), (1, 14336, 4096),
-                                   (2, 4096, 4096), (4, 8192, 10240)])
-def test_lowers_to_triton_for_the_h200(m, k, n):
+@pytest.mark.parametrize("m,k,n,x_in_kernel", [
+    (1, 4096, 6144, False), (1, 4096, 28672, False), (1, 14336, 4096, False),
+    (2, 4096, 4096, False), (4, 8192, 10240, False), (1, 4096, 6144, True),
+    (2, 14336, 4096, True)])
+def test_lowers_to_triton_for_the_h200(m, k, n, x_in_kernel):
     h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     args = [jax.ShapeDtypeStruct(s, d) for s, d in [
         ((m, k), jnp.bfloat16), ((n, k), jnp.int4), ((k // 128, n), jnp.bfloat16),
         ((k // 128, n), jnp.bfloat16)]]
-    fn = jax.jit(lambda x, w, s, z: int4_gemv_nk(x, w, s, z, group_size=128,
+    config = Int4GemvNKConfig(block_n=nk_gemv_config(m).block_n, x_in_kernel=x_in_kernel)
+    fn = jax.jit(lambda x, w, s, z: int4_gemv_nk(x, w, s, z, group_size=128, config=config,
                                                  centred_zeros=True))
     with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -116,11 +124,34 @@ def test_n_major_projections_take_the_gemv_for_a_few_tokens():
 @pytest.mark.parametrize("m,k,n", [(1, 4096, 6144), (1, 4096, 28672), (1, 14336, 4096),
                                    (2, 4096, 4096), (4, 4096, 6144)])
 @pytest.mark.parametrize("splits_sum", ["xla", "last"])
-def test_compiled_equals_reference_on_the_gpu(m, k, n, splits_sum):
+@pytest.mark.parametrize("x_in_kernel", [False, True])
+def test_compiled_equals_reference_on_the_gpu(m, k, n, splits_sum, x_in_kernel):
     w = int4_weight(k, n, 128, jnp.bfloat16, seed=m + k)
     x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), jnp.bfloat16)
     want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=128)
-    config = Int4GemvNKConfig(block_n=nk_gemv_config(m).block_n, splits_sum=splits_sum)
+    config = Int4GemvNKConfig(block_n=nk_gemv_config(m).block_n, splits_sum=splits_sum,
+                              x_in_kernel=x_in_kernel)
     got = int4_gemv_nk(x, hopper_weight(w.qweight), w.scales, w.zeros, group_size=128,
                        config=config)
+    assert_close(got, want, x, w, scale_on_output=True)
+
+
+def test_gemv_overrides_reach_the_n_major_gemv(monkeypatch):
+    """``--gemv-overrides nk.FIELD=...`` (step_profile, step_timeline): the N-major GEMV's pick
+    gets them, the packed-word GEMV's stays."""
+    from jaxllm.benchmarks.step_profile import override_gemv
+    from jaxllm.pallas_kernels.quantized_matmul import gemv, gemv_nk
+
+    monkeypatch.setattr(gemv_nk, "nk_gemv_config", gemv_nk.nk_gemv_config)  # undone after
+    monkeypatch.setattr(gemv, "gemv_config", gemv.gemv_config)
+    before = gemv.gemv_config(1, 4096, 6144, 128)
+    override_gemv("nk.x_in_kernel=True,nk.splits_sum=last")
+    picked = gemv_nk.nk_gemv_config(2)
+    assert (picked.x_in_kernel, picked.splits_sum, picked.block_n) == (True, "last", 128)
+    assert gemv.gemv_config(1, 4096, 6144, 128) == before
+    w = int4_weight(256, 64, 64, jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 256)), jnp.float32)
+    got = int4_gemv_nk(x, hopper_weight(w.qweight), w.scales, w.zeros, group_size=64,
+                       interpret=True)
+    want = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=64)
     assert_close(got, want, x, w, scale_on_output=True)

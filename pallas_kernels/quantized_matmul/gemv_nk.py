@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import X_EXP, column_loads, x_unit
+from .gemv_denormal import X_EXP, column_loads, scale_x, x_unit
 from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
 from .hopper import centred_zeros_of
 from .reference import PER_WORD
@@ -61,6 +61,11 @@ class Int4GemvNKConfig:
     target_programs: int = 512  # auto: double the splits while the grid is smaller than this
     max_splits: int = 32
     splits_sum: str = "xla"  # as Int4GemvConfig.splits_sum (gemv_splits.py)
+    # x read by the kernel as it is and scaled per nibble position there (8 strided 2-byte
+    # loads a word column a step instead of 8 16-byte ones of x pre-scaled by XLA): no XLA op
+    # before the call (the pre-scaling is a kernel of its own for three of the 8B step's four
+    # projections)
+    x_in_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "max_splits", "num_warps"):
@@ -127,9 +132,11 @@ def nibble_major_x(x: jax.Array, interpret: bool) -> jax.Array:
 
 
 def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_words: int,
-            group_words: int, out_n: int | None, mode: str, interpret: bool):
+            group_words: int, out_n: int | None, mode: str, interpret: bool,
+            x_in_kernel: bool):
     # xs_ref f32[M, 8, K/8] (nibble_major_x: x scaled per nibble position; a step's sum of x
-    # is taken from it in the kernel, no XLA reduction before the call);
+    # is taken from it in the kernel, no XLA reduction before the call), or with x_in_kernel
+    # x itself [M, K/8, 8] in its dtype (each nibble's x a strided load, scaled here);
     # w_ref i32[block_n, K/8/splits] (q - 8 nibbles); s_ref [G, block_n]; z_ref [G, block_n]
     # (z - 8 in the scales' dtype); out_refs: gemv_splits.split_outputs' for ``mode``
     rows = xs_ref.shape[0]
@@ -155,10 +162,15 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_wor
             else:
                 w = jax.lax.bitcast_convert_type(bits, jnp.float32)
             for m in range(rows):
-                xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
+                if x_in_kernel:  # x[m, 8w + j] for the step's w: 2-byte loads 16 bytes apart
+                    x1 = xs_ref[m, pl.ds(word, step_words), j]
+                    xj = scale_x(x1, _unit(j, interpret), interpret)  # [sw], x 2^unit_j
+                    x1 = x1.astype(jnp.float32)
+                else:
+                    xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
+                    x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact)
                 t = w * xj[None, :]  # [bn, sw]
                 parts[m] = t if parts[m] is None else parts[m] + t
-                x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact): the step's sum of x
                 xs[m] = x1 if xs[m] is None else xs[m] + x1
         acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
         corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
@@ -200,7 +212,10 @@ def int4_gemv_nk(
     splits = config.splits(k, n, step)
     split_words = words // splits
     w32 = jax.lax.bitcast_convert_type(weight.reshape(n, words, PER_WORD), jnp.int32)  # bitcast
-    xs = nibble_major_x(x2, interpret)  # [M, 8, K/8]
+    if config.x_in_kernel:
+        xs = x2.reshape(m, words, PER_WORD)  # x as it is (a bitcast)
+    else:
+        xs = nibble_major_x(x2, interpret)  # [M, 8, K/8]
     z = zeros if centred_zeros else centred_zeros_of(zeros, scales.dtype)
     mode = "one" if splits == 1 else config.splits_sum
     exact = mode in ("one", "last")
@@ -209,6 +224,7 @@ def int4_gemv_nk(
     kernel = functools.partial(
         _kernel, n=n, steps=split_words // step, step_words=step,
         group_words=group_size // PER_WORD, mode=mode, interpret=interpret,
+        x_in_kernel=config.x_in_kernel,
         out_n=n if exact and n % config.block_n else None)
     groups = scales.shape[0]
     in_specs = [
