@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import X_EXP, column_loads, scale_x, x_unit
 from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
-from .hopper import centred_zeros_of
+from .hopper import centred_zeros_of, n_major_operands
 from .reference import PER_WORD
 from .xla_int4 import CENTRE
 
@@ -199,14 +199,10 @@ def int4_gemv_nk(
 ) -> jax.Array:  # [.., N] in x's dtype
     """Same contract as :func:`~.hopper.int4_matmul_hopper_nk`; raises ValueError for a shape
     :func:`nk_gemv_unsupported` names."""
-    *lead, k = x.shape
-    n, k_w = weight.shape
-    x2 = x.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    config = config or nk_gemv_config(m)
-    reason = nk_gemv_unsupported(m, k, n, group_size, config)
-    if reason is not None or k_w != k:
-        raise ValueError(reason or f"x has K={k}, the weight {k_w}")
+    lead, x2, config = n_major_operands(x, weight, group_size, config,
+                                        nk_gemv_config, nk_gemv_unsupported)
+    m, k = x2.shape
+    n = weight.shape[0]
     words = k // PER_WORD
     step = step_words_of(group_size)
     splits = config.splits(k, n, step)

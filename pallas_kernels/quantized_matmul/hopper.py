@@ -130,6 +130,21 @@ def centred_zeros_of(zeros: jax.Array, dtype) -> jax.Array:
     return (zeros.astype(jnp.int32) - CENTRE).astype(dtype)
 
 
+def n_major_operands(x: jax.Array, weight: jax.Array, group_size: int, config, pick,
+                     why_unsupported):
+    """A kernel over the N-major weight int4 [N, K]: (x's leading dims, x as [M, K], the
+    config: ``config`` or ``pick(M)``); ValueError with ``why_unsupported(M, K, N, group,
+    config)``'s reason, or for x's K not the weight's."""
+    *lead, k = x.shape
+    n, k_w = weight.shape
+    x2 = x.reshape(-1, k)  # [M, K]
+    config = config or pick(x2.shape[0])
+    reason = why_unsupported(x2.shape[0], k, n, group_size, config)
+    if reason is not None or k_w != k:
+        raise ValueError(reason or f"x has K={k}, the weight {k_w}")
+    return lead, x2, config
+
+
 def _swizzled(minor_bits: int, elem_bits: int, what: str):
     swizzle = plgpu.find_swizzle(minor_bits, what)
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
@@ -151,14 +166,9 @@ def int4_matmul_hopper_nk(
     names. ``config`` None: :func:`config_for` the tokens. ``centred_zeros``: ``zeros`` are
     already ``z - 8`` in x's dtype and ``scales`` in x's dtype (stored so: no conversion a
     call)."""
-    *lead, k = x.shape
-    n, k_w = weight.shape
-    x2 = x.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    config = config or config_for(m)
-    reason = unsupported(m, k, n, group_size, config)
-    if reason is not None or k_w != k:
-        raise ValueError(reason or f"x has K={k}, the weight {k_w}")
+    lead, x2, config = n_major_operands(x, weight, group_size, config, config_for, unsupported)
+    m, k = x2.shape
+    n = weight.shape[0]
     dtype = x.dtype
     tile_tokens, tile_k = config.tile_tokens, config.tile_k
     m_pad = pl.cdiv(m, tile_tokens) * tile_tokens
