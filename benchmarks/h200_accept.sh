@@ -343,7 +343,7 @@ staged_steps() {
 # launches) and x read by the GEMV (x_in_kernel: 32 more fewer); a case is
 # TAG:QUANT:STAGE:SKIP_TEMP:GEMV_OVERRIDES ("-" for none), the likeliest remedies first
 LM_SKIP="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-# every GEMV loading its step's words before the first FMA (int4_matmul's candidate table
+# every GEMV loading its step's words before the first FMA (int4_configs' candidate table
 # "loads_first"; shapes it does not list: the pick with loads_first)
 LOADS_FIRST="table=loads_first,loads_first=True"
 LM_CASES="awq_default:awq:off:no:- awq_skip_stage:awq:on:yes:-

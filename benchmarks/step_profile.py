@@ -65,13 +65,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def override_gemv(text: str) -> str:
     """Makes the int4 GEMV put ``text``'s fields over every (non-dot) config it picks (with
-    ``table=NAME``, int4_matmul's candidate table NAME's config where it lists the shape), and
+    ``table=NAME``, int4_configs' candidate table NAME's config where it lists the shape), and
     the GEMV over the N-major weight (gemv_nk.py) its ``nk.FIELD`` ones; returns a
     compile-cache directory for these programs (the engine's executable cache keys on the
     model and engine, not on a patched kernel config)."""
     import dataclasses
 
-    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+    from jaxllm.benchmarks.int4_configs import GEMV_CANDIDATE_TABLES
     from jaxllm.benchmarks.kernel_sass import config_fields
     from jaxllm.pallas_kernels.quantized_matmul import gemv, gemv_nk
 
@@ -83,7 +83,7 @@ def override_gemv(text: str) -> str:
     name = fields.pop("table", None)
     if name is not None and name not in GEMV_CANDIDATE_TABLES:
         raise SystemExit(f"--gemv-overrides: no candidate table {name!r} "
-                         f"(int4_matmul.GEMV_CANDIDATE_TABLES: {sorted(GEMV_CANDIDATE_TABLES)})")
+                         f"(int4_configs.GEMV_CANDIDATE_TABLES: {sorted(GEMV_CANDIDATE_TABLES)})")
     table = GEMV_CANDIDATE_TABLES.get(name, {})
     pick = gemv.gemv_config
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
-from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+from jaxllm.benchmarks.int4_configs import GEMV_CANDIDATE_TABLES
 from jaxllm.pallas_kernels.quantized_matmul import (
     Int4GemvConfig,
     Int4MatmulConfig,
@@ -149,7 +149,7 @@ GEMV_CASES = [
                                                   byte_permute=False, num_splits=2)),
     (256, 96, 64, 3, jnp.bfloat16, Int4GemvConfig(block_n=32, x_in_kernel=True,
                                                   splits_sum="last", loads_first=True)),
-    # int4_matmul's candidate table "loads_first" (down: 8 rows a step, prefetched)
+    # int4_configs' candidate table "loads_first" (down: 8 rows a step, prefetched)
     *[(512, 320, 128, 1, jnp.bfloat16, Int4GemvConfig(**fields))
       for fields in GEMV_CANDIDATE_TABLES["loads_first"].values()],
 ]
@@ -320,9 +320,9 @@ def test_gemv_splits_sums_on_the_gpu_equal_reference_and_last_is_reproducible(m,
                                    (2, 4096, 4096)])
 def test_gemv_loading_each_step_first_on_the_gpu_equals_reference(m, k, n):
     """Compiled: the products nibble by nibble across each step's rows (loads_first) at the
-    8B projections, on GEMV_TABLE's configs and on int4_matmul's candidate table
+    8B projections, on GEMV_TABLE's configs and on int4_configs' candidate table
     "loads_first" (down on the denormal loop, prefetching), against the reference."""
-    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+    from jaxllm.benchmarks.int4_configs import GEMV_CANDIDATE_TABLES
 
     w = int4_weight(k, n, 128, jnp.bfloat16, seed=k + m)
     x = jnp.asarray(np.random.default_rng(n).standard_normal((m, k)), jnp.bfloat16)
@@ -423,7 +423,7 @@ def test_step_profiles_gemv_overrides_reach_the_gemv_pick_and_its_own_cache(monk
 def test_gemv_overrides_take_a_candidate_table(monkeypatch):
     """``--gemv-overrides table=loads_first,...``: the candidate table's config for the shapes
     it lists, the pick elsewhere, the other fields over both; an unknown table is named."""
-    from jaxllm.benchmarks.int4_matmul import GEMV_CANDIDATE_TABLES
+    from jaxllm.benchmarks.int4_configs import GEMV_CANDIDATE_TABLES
     from jaxllm.benchmarks.step_profile import override_gemv
     from jaxllm.pallas_kernels.quantized_matmul import gemv
 

@@ -1,0 +1,65 @@
+"""The int4 kernel configs ``benchmarks/int4_matmul.py`` times besides each kernel's own pick,
+as Int4GemvConfig / HopperInt4Config keyword arguments (plain data: no JAX at import)."""
+
+# (label, Int4GemvConfig kwargs) tried by --gemv-sweep besides the default (gemv_config: FMAs
+# below 4 tokens, the dot from 4); "dot" variants only from 4 tokens. The FMA loop is the
+# denormal one (1 LOP3 + 1 FFMA a weight) unless "magic" (the 2^23 loop it replaced): a thread
+# owns block_n / (32 num_warps) columns.
+GEMV_SWEEP = [
+    ("n128 w1", dict(block_n=128, num_warps=1)),
+    ("n256 w1", dict(block_n=256, num_warps=1)),
+    ("n256 w2", dict(block_n=256, num_warps=2)),
+    ("n256 w2 k8", dict(block_n=256, num_warps=2, block_words=8)),
+    ("n256 w2 k8 prefetch", dict(block_n=256, num_warps=2, block_words=8, prefetch=True)),
+    ("n256 w1 k8 prefetch", dict(block_n=256, num_warps=1, block_words=8, prefetch=True)),
+    ("n256 w1 t1024", dict(block_n=256, num_warps=1, target_programs=1024, max_splits=64)),
+    ("n512 w2", dict(block_n=512, num_warps=2)),
+    ("n512 w4", dict(block_n=512, num_warps=4)),
+    ("n256 w2 shift", dict(block_n=256, num_warps=2, byte_permute=False)),
+    ("n256 w2 evict", dict(block_n=256, num_warps=2, evict_first=True)),
+    ("n256 w2 stages 1", dict(block_n=256, num_warps=2, num_stages=1)),
+    ("magic", dict(denormal=False)),
+    ("magic n256 w8", dict(block_n=256, num_warps=8, denormal=False)),
+    ("dot", dict(dot=True)),
+    ("dot n64", dict(dot=True, block_n=64)),
+    ("dot n256 w8", dict(dot=True, block_n=256, num_warps=8)),
+]
+# --gemv-modes: the default config with x read and scaled by the kernel (x_in_kernel) and
+# with the split-K partials summed in the kernel (atomic adds, or the last split of a column
+# block summing them in order) instead of by an XLA fusion after the call, and with each step's
+# weight loads issued together (loads_first).
+GEMV_MODES = [
+    ("x in kernel", dict(x_in_kernel=True)),
+    ("splits atomic", dict(splits_sum="atomic")),
+    ("splits last", dict(splits_sum="last")),
+    ("loads first", dict(loads_first=True)),
+]
+# Candidate GEMV tables (Int4GemvConfig kwargs by (tokens, K, N)), timed by --gemv-modes and
+# put in the engine by step_profile's and step_timeline's ``--gemv-overrides table=NAME``.
+# "loads_first": every 8B projection at one token loading each step's words before its first
+# FMA, picked from the sm_90 SASS (Triton 3.6; RESULTS 2026-12-05, 21:08- UTC): qkv, o and
+# gate_up as GEMV_TABLE's; down moves to the denormal loop (2.54 instructions a weight against
+# the 2^23 loop's 6.14) at 8 word rows a step with the next step's words prefetched (two
+# bursts of 8 16-byte loads a thread, 56 registers; at 16 rows a step only 256 programs).
+GEMV_CANDIDATE_TABLES = {"loads_first": {
+    (1, 4096, 6144): dict(block_n=256, num_warps=2, loads_first=True),
+    (1, 4096, 4096): dict(block_n=256, num_warps=2, loads_first=True),
+    (1, 4096, 28672): dict(block_n=512, num_warps=2, loads_first=True),
+    (1, 14336, 4096): dict(block_n=256, num_warps=2, block_words=8, prefetch=True,
+                           loads_first=True),
+}}
+# The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
+# program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)
+HOPPER_SWEEP = [
+    ("6 stages", dict(max_concurrent_steps=6)),
+    ("8 stages", dict(max_concurrent_steps=8)),
+    ("k64, 8 stages", dict(tile_k=64, max_concurrent_steps=8)),
+]
+# --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
+# loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
+GEMV_BEFORE = {
+    (1, 4096, 6144): dict(block_n=256, num_warps=8),
+    (1, 4096, 4096): dict(num_warps=2),
+    (1, 4096, 28672): dict(max_acc_registers=64),
+    (1, 14336, 4096): dict(block_words=8),
+}
