@@ -50,17 +50,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import column_loads, denormal_kernel, prescaled_inputs
-from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
-from .reference import PER_WORD
+from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
+from .reference import PER_WORD, is_pow2
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
 TWO_23 = float(2**23)
 HIGH_SHIFT = 12  # nibbles 5..7 are read from the word shifted by this (positions 8, 12, 16)
 DOT_ROWS = 16  # the smallest M and K Triton's dot takes
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _next_pow2(n: int) -> int:
@@ -131,11 +128,11 @@ class Int4GemvConfig:
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
             value = getattr(self, name)
-            if not _is_pow2(value):
+            if not is_pow2(value):
                 raise ValueError(f"{name}={value} must be a power of two")
         if self.dot and self.block_words < DOT_ROWS:
             raise ValueError(f"block_words={self.block_words} must be >= {DOT_ROWS} with dot")
-        if self.num_splits is not None and not _is_pow2(self.num_splits):
+        if self.num_splits is not None and not is_pow2(self.num_splits):
             raise ValueError(f"num_splits={self.num_splits} must be a power of two or None")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two <= 16")
@@ -154,14 +151,10 @@ class Int4GemvConfig:
         return min(self.block_words, _pow2_divisor(group_size // PER_WORD))
 
     def splits(self, k: int, n: int, group_size: int) -> int:
-        steps = k // PER_WORD // self.step_words(k, group_size)
         if self.num_splits is not None:
             return self.num_splits
-        splits, col_blocks = 1, pl.cdiv(n, self.block_n)
-        while (splits * 2 <= self.max_splits and steps % (splits * 2) == 0
-               and col_blocks * splits < self.target_programs):
-            splits *= 2
-        return splits
+        return auto_splits(k // PER_WORD // self.step_words(k, group_size),
+                           pl.cdiv(n, self.block_n), self.max_splits, self.target_programs)
 
 
 # Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes

@@ -38,17 +38,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import X_EXP, column_loads, scale_x, x_unit
-from .gemv_splits import SPLITS_SUMS, split_outputs, write_rows
+from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .hopper import centred_zeros_of, n_major_operands
-from .reference import PER_WORD
+from .reference import PER_WORD, is_pow2
 from .xla_int4 import CENTRE
 
 NK_GEMV_MAX_TOKENS = 4  # FMAs a token: past a few tokens the Hopper kernel's tile wins
 FLIP = -0x77777778  # 0x88888888 as an int32: XOR turns each nibble q - 8 back into q
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +65,9 @@ class Int4GemvNKConfig:
 
     def __post_init__(self):
         for name in ("block_n", "max_splits", "num_warps"):
-            if not _is_pow2(getattr(self, name)):
+            if not is_pow2(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
-        if self.num_splits is not None and not _is_pow2(self.num_splits):
+        if self.num_splits is not None and not is_pow2(self.num_splits):
             raise ValueError(f"num_splits={self.num_splits} must be a power of two or None")
         if self.splits_sum not in SPLITS_SUMS:
             raise ValueError(f"splits_sum={self.splits_sum!r} must be one of {SPLITS_SUMS}")
@@ -79,12 +75,8 @@ class Int4GemvNKConfig:
     def splits(self, k: int, n: int, step_words: int) -> int:
         if self.num_splits is not None:
             return self.num_splits
-        steps, col_blocks = k // PER_WORD // step_words, pl.cdiv(n, self.block_n)
-        splits = 1
-        while (splits * 2 <= self.max_splits and steps % (splits * 2) == 0
-               and col_blocks * splits < self.target_programs):
-            splits *= 2
-        return splits
+        return auto_splits(k // PER_WORD // step_words, pl.cdiv(n, self.block_n),
+                           self.max_splits, self.target_programs)
 
 
 def nk_gemv_config(m: int) -> Int4GemvNKConfig:

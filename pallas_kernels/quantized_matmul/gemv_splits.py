@@ -34,6 +34,17 @@ from jax.experimental.pallas import triton as pltriton
 SPLITS_SUMS = ("xla", "atomic", "last")
 
 
+def auto_splits(steps: int, col_blocks: int, max_splits: int, target_programs: int) -> int:
+    """Split-K count for a GEMV of ``steps`` steps a column block: doubled while it divides
+    the steps, stays within ``max_splits`` and the grid has fewer than ``target_programs``
+    programs (enough for the GPU's SMs at few columns)."""
+    splits = 1
+    while (splits * 2 <= max_splits and steps % (splits * 2) == 0
+           and col_blocks * splits < target_programs):
+        splits *= 2
+    return splits
+
+
 def _store_row(o_ref, m: int, value, cols, out_n: int | None):
     """Row m in o_ref's dtype, masked past column out_n (None: the output is whole column
     blocks wide). A [1, bn] view: the interpreter's masked store takes no integer index."""

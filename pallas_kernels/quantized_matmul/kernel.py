@@ -26,13 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .reference import PER_WORD
+from .reference import PER_WORD, is_pow2
 
 MIN_DOT = 16  # the smallest tile side Triton's dot takes
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def _next_pow2(n: int) -> int:
@@ -61,9 +58,9 @@ class Int4MatmulConfig:
     def __post_init__(self):
         for name in ("block_n", "block_m"):
             value = getattr(self, name)
-            if value < MIN_DOT or not _is_pow2(value):
+            if value < MIN_DOT or not is_pow2(value):
                 raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT}")
-        if self.block_k < MIN_DOT * PER_WORD or not _is_pow2(self.block_k):
+        if self.block_k < MIN_DOT * PER_WORD or not is_pow2(self.block_k):
             raise ValueError(f"block_k={self.block_k} must be a power of two >= "
                              f"{MIN_DOT * PER_WORD} (block_k / 8 word rows feed the dot)")
         if self.num_splits is not None and self.num_splits < 1:

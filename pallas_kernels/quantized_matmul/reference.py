@@ -10,6 +10,10 @@ import jax.numpy as jnp
 PER_WORD = 8  # 4-bit values per int32 word
 
 
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
 def unpack_int4(qweight: jax.Array) -> jax.Array:
     """The 4-bit values q i32[.., K, N] (0-15) of words packed along K: qweight i32[.., K/8,
     N], row 8r+j in bits 4j..4j+3 of word row r."""
