@@ -167,9 +167,9 @@ only17() {
       XLA_FLAGS='${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP' \
       E1_CONFIGS='bf16:1 awq:1' E1_TAG=skip_temp_ staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
-    # MLP, the norm, and forwards through them)
-    picked m8 && step g8_fp8_kernel_tests 30 120 $PY -m pytest -q -x -p no:cacheprovider \
-      tests/test_activation_quant_kernels.py
+    # MLP, the norm, the o projection's input, and forwards through them)
+    picked m8 && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
+      tests/test_activation_quant_kernels.py tests/test_rows_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
     # (before t1: the first engine run on a fresh machine ran its mixed steps ~14% slower,

@@ -208,10 +208,14 @@ def test_an_fp8_model_forward_through_the_norm_kernel_matches_xlas_passes(monkey
     want = prompt_logits(model, ids)
     monkeypatch.setenv(fp8_kernels.NORM_KERNEL_ENV, "on")
     monkeypatch.setenv(fp8_kernels.SWIGLU_KERNEL_ENV, swiglu)
-    traced = []  # the kernel's calls as the forward is traced: both norms of a layer
-    kernel = fp8_kernels.rmsnorm_quantize_fp8
+    traced, rows = [], []  # the kernels' calls as the forward is traced: both norms of a
+    # layer, and the o projection's input (rows_fp8)
+    kernel, rows_kernel = fp8_kernels.rmsnorm_quantize_fp8, fp8_kernels.quantize_rows_fp8_kernel
     monkeypatch.setattr(fp8_kernels, "rmsnorm_quantize_fp8",
                         lambda *a, **k: traced.append(a[0].shape) or kernel(*a, **k))
+    monkeypatch.setattr(fp8_kernels, "quantize_rows_fp8_kernel",
+                        lambda *a, **k: rows.append(a[0].shape) or rows_kernel(*a, **k))
     got = prompt_logits(model, ids)
     assert len(traced) >= 2 and set(traced) == {(12, model.config.hidden_size)}
+    assert len(rows) == len(traced) // 2 and set(rows) == {(12, model.config.q_size)}
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -11,7 +11,9 @@ their fewer launches may win, are untimed.
   projection's quantization in one kernel over gate_up's product, written by the FP8 GEMM in
   that dtype (:func:`jaxllm.layers.mlp.swiglu_mlp`);
 - ``JAXLLM_FP8_NORM_KERNEL`` = ``off`` | ``on``: a layer's two RMSNorms and the next
-  projection's quantization in one kernel each (:func:`rmsnorm_quantized`).
+  projection's quantization in one kernel each (:func:`rmsnorm_quantized`), and the o
+  projection's input quantization, the layer's one other, in a kernel of its own
+  (:func:`quantized_input`).
 
 Either runs only on one device (a pallas_call is opaque to XLA's partitioner) and is
 interpreted off the GPU (tests). Read as the forward is traced; part of the executable
@@ -28,7 +30,12 @@ from jax.sharding import Mesh
 
 from jaxllm.env_settings import env_choice
 from jaxllm.layers.linear import Fp8Activation, Fp8Weight
-from jaxllm.pallas_kernels.activation_quant import rmsnorm_fp8, rmsnorm_quantize_fp8
+from jaxllm.pallas_kernels.activation_quant import (
+    quantize_rows_fp8_kernel,
+    rmsnorm_fp8,
+    rmsnorm_quantize_fp8,
+    rows_fp8,
+)
 from jaxllm.parallel.mesh import tensor_parallel_size
 
 SWIGLU_KERNEL_ENV = "JAXLLM_FP8_SWIGLU_KERNEL"
@@ -82,4 +89,17 @@ def norm_quantizes(x: jax.Array, kernel, mesh: Mesh | None = None,
 def rmsnorm_quantized(x: jax.Array, weight: jax.Array, eps: float) -> Fp8Activation:
     """RMSNorm of ``x`` [T, H] (``weight`` [H]) quantized per token for an FP8 projection."""
     q, scale = rmsnorm_quantize_fp8(x, weight, eps, interpret=jax.default_backend() != "gpu")
+    return Fp8Activation(q, scale, x.dtype)
+
+
+def quantized_input(x: jax.Array, kernel, mesh: Mesh | None = None,
+                    enabled: bool | None = None) -> jax.Array | Fp8Activation:
+    """``x`` [T, K] quantized per token in one kernel for this FP8 projection, as an
+    Fp8Activation; ``x`` itself (XLA's passes, in ``linear``) unless the kernel is picked
+    (``enabled``, by default ``JAXLLM_FP8_NORM_KERNEL``), the projection FP8 on one device
+    and the row one the kernel takes."""
+    enabled = norm_kernel_enabled() if enabled is None else enabled
+    if not (enabled and _one_device_fp8(kernel, mesh) and rows_fp8.unsupported(x.shape) is None):
+        return x
+    q, scale = quantize_rows_fp8_kernel(x, interpret=jax.default_backend() != "gpu")
     return Fp8Activation(q, scale, x.dtype)

@@ -44,7 +44,12 @@ from jaxllm.attention import write_kv_and_attend
 from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
-from jaxllm.layers.fp8_kernels import norm_quantizes, rmsnorm_quantized, swiglu_product_dtype
+from jaxllm.layers.fp8_kernels import (
+    norm_quantizes,
+    quantized_input,
+    rmsnorm_quantized,
+    swiglu_product_dtype,
+)
 from jaxllm.layers.linear import Fp8Activation, in_dtype
 from jaxllm.layers.mlp import swiglu_mlp
 from jaxllm.model_config import ModelConfig
@@ -93,6 +98,8 @@ class Attention(nn.Module):
             q, k, v, kv_pool, layer, batch, scale=cfg.head_dim ** -0.5,
             sliding_window=cfg.sliding_window, backend=self.backend, mesh=self.mesh)
         out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
+        if not self.is_initializing():  # FP8: quantized per token in a kernel where picked
+            out = quantized_input(out, self.variables["params"]["o_proj"]["kernel"], self.mesh)
         return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
 
 

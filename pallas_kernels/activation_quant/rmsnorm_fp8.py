@@ -43,14 +43,20 @@ def unsupported(x_shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def _kernel(x_ref, weight_ref, out_ref, scale_ref, *, eps: float, dtype):
-    x = x_ref[...].astype(jnp.float32)
-    normed = x * jax.lax.rsqrt(jnp.mean(x * x) + eps)
-    h = (weight_ref[...] * normed.astype(dtype)).astype(jnp.float32)
+def store_quantized_row(h, out_ref, scale_ref):
+    """A float32 row ``h`` [H] stored in FP8 with its scale (absmax / 448, 1 for an all-zero
+    row), as the reference's ``quantize_rows_fp8``."""
     absmax = jnp.max(jnp.abs(h))
     scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
     out_ref[...] = jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     scale_ref[0] = scale
+
+
+def _kernel(x_ref, weight_ref, out_ref, scale_ref, *, eps: float, dtype):
+    x = x_ref[...].astype(jnp.float32)
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x) + eps)
+    store_quantized_row((weight_ref[...] * normed.astype(dtype)).astype(jnp.float32), out_ref,
+                        scale_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
