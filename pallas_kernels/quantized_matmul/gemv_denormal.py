@@ -116,14 +116,21 @@ def scale_x(x, unit: int, interpret: bool):
     return jax.lax.bitcast_convert_type(bits + (unit << 23), jnp.float32)
 
 
-def _product_order(step_words: int, loads_first: bool) -> list[tuple[int, int]]:
-    """(word row, nibble) in the order the products join the partial sums: row by row, or
-    nibble by nibble over all of the step's rows (``loads_first``: nibble 0 of every word row
-    first, so all of the step's words are needed at once and ptxas issues all of its loads
-    before the first FMA, not one or two just ahead of their products)."""
+def _products(words: list, pairs: bool, interpret: bool, loads_first: bool):
+    """(word row r, nibble j, source, bit position) of the step's products in the order they
+    join the partial sums: row by row (each row's nibbles unpacked as it comes), or nibble by
+    nibble over all of the step's rows (``loads_first``: nibble 0 of every word row first, so
+    all of the step's words are needed at once and ptxas issues all of its loads before the
+    first FMA, not one or two just ahead of their products)."""
     if loads_first:
-        return [(r, j) for j in range(PER_WORD) for r in range(step_words)]
-    return [(r, j) for r in range(step_words) for j in range(PER_WORD)]
+        nibbles = [denormal_nibbles(words, r, pairs, interpret) for r in range(len(words))]
+        for j in range(PER_WORD):
+            for r in range(len(words)):
+                yield (r, j, *nibbles[r][j])
+    else:
+        for r in range(len(words)):
+            for j, (src, pos) in enumerate(denormal_nibbles(words, r, pairs, interpret)):
+                yield r, j, src, pos
 
 
 def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
@@ -167,9 +174,7 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
             words, ahead = ahead, load_words(jnp.minimum(i + 1, steps - 1))
         else:
             words = load_words(i)
-        nibbles = [denormal_nibbles(words, r, pairs, interpret) for r in range(step_words)]
-        for r, j in _product_order(step_words, loads_first):
-            src, pos = nibbles[r][j]
+        for r, j, src, pos in _products(words, pairs, interpret, loads_first):
             bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
             if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
                 # 2^-X_EXP only (x_unit)
