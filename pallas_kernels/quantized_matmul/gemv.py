@@ -59,7 +59,6 @@ HIGH_SHIFT = 12  # nibbles 5..7 are read from the word shifted by this (position
 DOT_ROWS = 16  # the smallest M and K Triton's dot takes
 
 
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 

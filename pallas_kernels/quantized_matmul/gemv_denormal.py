@@ -116,6 +116,16 @@ def scale_x(x, unit: int, interpret: bool):
     return jax.lax.bitcast_convert_type(bits + (unit << 23), jnp.float32)
 
 
+def nibble_as_float(src, pos: int, interpret: bool):
+    """The nibble at bits pos..pos+3 of ``src`` (int32) as a float32: its masked bits read as
+    one, q 2^(pos - 149) exactly (pos <= 20), no conversion instruction. Interpret mode: q
+    itself (XLA:CPU flushes subnormals to zero; x is scaled by 2^-X_EXP only, x_unit)."""
+    bits = src & (0xF << pos)
+    if interpret:
+        return jnp.right_shift(bits, pos).astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _products(words: list, pairs: bool, interpret: bool, loads_first: bool):
     """(word row r, nibble j, source, bit position) of the step's products in the order they
     join the partial sums: row by row (each row's nibbles unpacked as it comes), or nibble by
@@ -175,12 +185,7 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
         else:
             words = load_words(i)
         for r, j, src, pos in _products(words, pairs, interpret, loads_first):
-            bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos-149)
-            if interpret:  # XLA:CPU flushes subnormals to zero: q, and x is scaled by
-                # 2^-X_EXP only (x_unit)
-                w = jnp.right_shift(bits, pos).astype(jnp.float32)
-            else:  # read as a float32, no conversion instruction
-                w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            w = nibble_as_float(src, pos, interpret)
             for m in range(rows):
                 xs = x_ref[m, row + r, j] if prescaled else scale_x(
                     x_ref[m, row + r, j], x_unit(r, j, pairs, interpret), interpret)

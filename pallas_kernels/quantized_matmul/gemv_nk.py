@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import X_EXP, column_loads, scale_x, x_unit
+from .gemv_denormal import X_EXP, column_loads, nibble_as_float, scale_x, x_unit
 from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .hopper import centred_zeros_of, n_major_operands
 from .reference import PER_WORD, is_pow2
@@ -148,11 +148,7 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_wor
         parts, xs = [None] * rows, [None] * rows
         for j in range(PER_WORD):
             src, pos = (words, 4 * j) if j < 6 else (high, 4 * j - 16)
-            bits = src & (0xF << pos)  # q 2^pos, pos <= 20: float32 bits q 2^(pos - 149)
-            if interpret:  # XLA:CPU flushes subnormals: q, against x scaled by 2^-X_EXP
-                w = jnp.right_shift(bits, pos).astype(jnp.float32)
-            else:
-                w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+            w = nibble_as_float(src, pos, interpret)  # [bn, sw]
             for m in range(rows):
                 if x_in_kernel:  # x[m, 8w + j] for the step's w: 2-byte loads 16 bytes apart
                     x1 = xs_ref[m, pl.ds(word, step_words), j]
