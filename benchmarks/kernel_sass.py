@@ -128,9 +128,8 @@ def capture_activation_quant(kernel: str, tokens: int, hidden: int,
     import jax
     import jax.numpy as jnp
     from jaxllm.pallas_kernels.activation_quant import (
-        rmsnorm_fp8,
         rmsnorm_quantize_fp8,
-        swiglu_fp8,
+        rows_fp8,
         swiglu_quantize_fp8,
     )
 
@@ -138,11 +137,11 @@ def capture_activation_quant(kernel: str, tokens: int, hidden: int,
     if kernel == "rmsnorm_fp8":
         ttir = _capture(lambda x, w: rmsnorm_quantize_fp8(x, w, 1e-5),
                         [spec((tokens, hidden), jnp.bfloat16), spec((hidden,), jnp.bfloat16)])
-        return ttir, rmsnorm_fp8.NUM_WARPS, 1
+        return ttir, rows_fp8.NUM_WARPS, 1
     ttir = _capture(lambda p, xs, ws: swiglu_quantize_fp8(p, xs, ws, jnp.bfloat16),
                     [spec((tokens, 2 * intermediate), jnp.float32),
                      spec((tokens, 1), jnp.float32), spec((2 * intermediate,), jnp.float32)])
-    return ttir, swiglu_fp8.NUM_WARPS, 1
+    return ttir, rows_fp8.NUM_WARPS, 1
 
 
 def _code(sass: str) -> list[tuple[int, str, str]]:

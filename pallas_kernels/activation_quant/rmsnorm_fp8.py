@@ -25,31 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .reference import FP8_DTYPE, FP8_MAX
-
-NUM_WARPS = 4
-MAX_HIDDEN = 16384  # a row in registers: 128 float32 a thread at 4 warps
-
-
-def unsupported(x_shape: tuple[int, ...]) -> str | None:
-    """Why this kernel cannot take a residual stream of this shape (None: it can)."""
-    if len(x_shape) != 2:
-        return f"x {x_shape} must be [T, H]"
-    hidden = x_shape[1]
-    if hidden & (hidden - 1) or not 16 <= hidden <= MAX_HIDDEN:
-        return f"hidden size {hidden} must be a power of two in [16, {MAX_HIDDEN}] (one block)"
-    return None
-
-
-def store_quantized_row(h, out_ref, scale_ref):
-    """A float32 row ``h`` [H] stored in FP8 with its scale (absmax / 448, 1 for an all-zero
-    row), as the reference's ``quantize_rows_fp8``."""
-    absmax = jnp.max(jnp.abs(h))
-    scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-    out_ref[...] = jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    scale_ref[0] = scale
+from .rows_fp8 import per_token_fp8_call, store_quantized_row, unsupported
 
 
 def _kernel(x_ref, weight_ref, out_ref, scale_ref, *, eps: float, dtype):
@@ -71,16 +48,8 @@ def rmsnorm_quantize_fp8(
         raise ValueError(why)
     tokens, hidden = x.shape
     kernel = functools.partial(_kernel, eps=eps, dtype=x.dtype)
-    return pl.pallas_call(
-        kernel,
-        grid=(tokens,),
-        in_specs=[pl.BlockSpec((None, hidden), lambda t: (t, 0)),
-                  pl.BlockSpec((hidden,), lambda t: (0,))],
-        out_specs=[pl.BlockSpec((None, hidden), lambda t: (t, 0)),
-                   pl.BlockSpec((None, 1), lambda t: (t, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, hidden), FP8_DTYPE),
-                   jax.ShapeDtypeStruct((tokens, 1), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="rmsnorm_quantize_fp8",
-    )(x, weight.astype(x.dtype))
+    return per_token_fp8_call(kernel, tokens=tokens, width=hidden,
+                              in_specs=[pl.BlockSpec((None, hidden), lambda t: (t, 0)),
+                                        pl.BlockSpec((hidden,), lambda t: (0,))],
+                              name="rmsnorm_quantize_fp8", interpret=interpret,
+                              )(x, weight.astype(x.dtype))

@@ -30,9 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .reference import FP8_DTYPE, FP8_MAX
+from .rows_fp8 import per_token_fp8_call
 
 CHUNK = 2048  # (gate, up) pairs a step: 32 float32 of each array a thread at 4 warps
-NUM_WARPS = 4
 
 
 def unsupported(product_shape: tuple[int, ...]) -> str | None:
@@ -88,17 +88,9 @@ def swiglu_quantize_fp8(
     f = two_f // 2
     chunk = min(CHUNK, f & -f)  # the largest power of two dividing F
     kernel = functools.partial(_kernel, f=f, chunk=chunk, dtype=jnp.dtype(dtype))
-    return pl.pallas_call(
-        kernel,
-        grid=(tokens,),
-        in_specs=[pl.BlockSpec((None, two_f), lambda t: (t, 0)),
-                  pl.BlockSpec((None, 1), lambda t: (t, 0)),
-                  pl.BlockSpec((two_f,), lambda t: (0,))],
-        out_specs=[pl.BlockSpec((None, f), lambda t: (t, 0)),
-                   pl.BlockSpec((None, 1), lambda t: (t, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, f), FP8_DTYPE),
-                   jax.ShapeDtypeStruct((tokens, 1), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="swiglu_quantize_fp8",
-    )(product, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
+    return per_token_fp8_call(kernel, tokens=tokens, width=f,
+                              in_specs=[pl.BlockSpec((None, two_f), lambda t: (t, 0)),
+                                        pl.BlockSpec((None, 1), lambda t: (t, 0)),
+                                        pl.BlockSpec((two_f,), lambda t: (0,))],
+                              name="swiglu_quantize_fp8", interpret=interpret,
+                              )(product, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
