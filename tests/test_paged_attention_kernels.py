@@ -246,6 +246,24 @@ class TestMixedGPU(MixedSuite):
         self.run(case, jnp.bfloat16)
 
 
+def test_split_combine_is_the_softmax_over_every_split():
+    """combine_splits' one-pass merge against the weights computed whole in float64: splits
+    far apart in scale, an empty split beside full ones, a token whose splits are all empty."""
+    from jaxllm.pallas_kernels.paged_attention.decode import combine_splits
+    rng = np.random.default_rng(0)
+    o = rng.standard_normal((3, 5, 4, 8)).astype(np.float32)  # [T, K, Hq, D]
+    lse = (rng.standard_normal((3, 5, 4)) * 40).astype(np.float32)
+    lse[0, 2] = -np.inf
+    o[0, 2] = 0.0  # what the kernel writes for a split with no key
+    lse[2] = -np.inf
+    o[2] = 0.0
+    got = np.asarray(combine_splits(jnp.asarray(o), jnp.asarray(lse), jnp.float32))
+    weights = np.exp2(lse[:2].astype(np.float64) - lse[:2].max(axis=1, keepdims=True))
+    want = (o[:2] * weights[..., None]).sum(axis=1) / weights.sum(axis=1)[..., None]
+    np.testing.assert_allclose(got[:2], want, rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(got[2], 0.0)
+
+
 # --- dispatch ---------------------------------------------------------------------------------
 
 
