@@ -166,6 +166,14 @@ def write_kv(kv_pool: KVPool, layer: jax.Array, slot_mapping: jax.Array, k: jax.
     # (inferred from the timings, not profiled). Each aims at a block of its own, so that no
     # two tokens share a slot and the scatter may say its indices are unique: XLA then stores
     # each row instead of updating it atomically.
+    if slot_mapping.shape[0] == 1:
+        # One row would be rewritten by XLA into a dynamic-update-slice, which cannot drop an
+        # out-of-range write: it becomes a select reading the pool and the update, two kernels
+        # each for K and V in place of one scatter (and twice the readers of the step's batch).
+        # A dropped second row keeps it a scatter: 63 fewer launches in a Llama-3-8B batch-1
+        # step compiled for the H200 (benchmarks/step_kernels.py).
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), PAD_SLOT, slot_mapping.dtype)])
+        k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
     past_the_pool = num_blocks + jnp.arange(slot_mapping.shape[0], dtype=slot_mapping.dtype)
     blocks = jnp.where(slot_mapping < 0, past_the_pool, slot_mapping // block_size)
     offsets = slot_mapping % block_size
