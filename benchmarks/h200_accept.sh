@@ -51,7 +51,8 @@
 #   the same with every GEMV loading its step's words first (loads_first); "i6": the GEMVs
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
-#   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix
+#   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
+#   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -234,6 +235,13 @@ only17() {
     picked l16 && step l16_latency_quant 60 300 bash -c "$PY $lat --output-json $DIR/l16_bf16.json; \
       $PY $lat -q fp8 --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 \
       --output-json $DIR/l16_fp8_kv.json; $PY $lat -q awq --output-json $DIR/l16_awq.json"
+    # lb: the one- and two-row decode steps (bench latency at batch 1 / 2): XLA compiles the
+    # one-row program with 65 more launches (bf16; its RMSNorms unfused), so whether the
+    # smallest decode bucket should be 2; bf16, AWQ, AWQ on the N-major weights (~2 minutes)
+    local tiny="${lat/1,64,256/1,2}"
+    picked lb && step lb_latency_one_two_rows 40 240 bash -c "$PY $tiny --output-json $DIR/lb_bf16.json; \
+      $PY $tiny -q awq --output-json $DIR/lb_awq.json; JAXLLM_INT4_HOPPER=on $PY $tiny -q awq \
+      --output-json $DIR/lb_awq_nk.json"
     # FP8's small decode steps, waited and back to back, under XLA's default and SKIP_TEMP
     # command buffers; bf16 beside
     picked l8 && step l8_fp8_small 40 330 bash -c "$PY $small -q fp8 --output-json $DIR/l8_w8a8.json; \
