@@ -224,7 +224,8 @@ def run(args: argparse.Namespace) -> dict:
     leaves = jax.tree.leaves(model.params)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
     # One device's share: what each device reads per step (replicated leaves whole).
-    weight_bytes = sum(s.data.nbytes for x in leaves for s in x.addressable_shards
+    from jaxllm.engine.device_memory import stored_bytes
+    weight_bytes = sum(stored_bytes(s.data) for x in leaves for s in x.addressable_shards
                        if s.device == first)
     # Matmul params: every projection kernel (either layout, quantized or not), plus the
     # embedding when it doubles as the LM head.

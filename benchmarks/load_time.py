@@ -90,7 +90,8 @@ def load_once(args: argparse.Namespace) -> dict:
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(12)
             profile = out.getvalue()
         seconds.append(time.perf_counter() - began)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
+        from jaxllm.engine.device_memory import stored_bytes
+        nbytes = sum(stored_bytes(x) for x in jax.tree.leaves(loaded.params))
         del loaded
     # Peak resident memory of this process: on CPU it includes the params themselves, and
     # the mapped checkpoint pages that were read.

@@ -135,7 +135,8 @@ def roofline(model, args, bandwidth: float, peak_flops: float) -> Roofline:
     cfg = model.config
     leaves = jax.tree_util.tree_leaves_with_path(model.params)
     first = min(leaves[0][1].sharding.device_set, key=str)
-    weight_bytes = sum(s.data.nbytes for path, x in leaves for s in x.addressable_shards
+    from jaxllm.engine.device_memory import stored_bytes
+    weight_bytes = sum(stored_bytes(s.data) for path, x in leaves for s in x.addressable_shards
                        if s.device == first and (cfg.tie_word_embeddings or "embed_tokens"
                                                  not in jax.tree_util.keystr(path)))
     h, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size

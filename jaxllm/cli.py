@@ -132,7 +132,8 @@ def _convert(args: argparse.Namespace) -> int:
         unroll_layers=resolve_unroll_layers(args.unroll_layers, jax.default_backend()))
     loaded = time.perf_counter()
     save_converted(model, args.output)
-    size = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    from jaxllm.engine.device_memory import stored_bytes
+    size = sum(stored_bytes(x) for x in jax.tree.leaves(model.params))
     print(f"{args.output}: {model.name}, {jax.numpy.dtype(model.dtype).name}, "
           f"{model.quantization.describe() if model.quantization else 'not quantized'}, "
           f"{'per-layer' if model.unroll_layers else 'stacked'} layers, {size / 2**30:.2f} GiB "

@@ -139,3 +139,10 @@ def test_the_real_driver_and_xla_allocators(update_mode):
         assert memory["source"] == dm.JAX_STATS
         assert abs(memory["total"] - total) < 0.02 * total
         assert memory["in_use"] >= GiB
+
+
+def test_stored_bytes_count_int4_at_half_a_byte():
+    # jax's nbytes counts a byte an int4 element; XLA stores two to a byte
+    assert dm.stored_bytes(jnp.zeros((8, 16), jnp.int4)) == 64
+    assert dm.stored_bytes(jnp.zeros((8, 16), jnp.bfloat16)) == 256
+    assert dm.stored_bytes(jnp.zeros((3,), jnp.float8_e4m3fn)) == 3

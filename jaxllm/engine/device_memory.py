@@ -91,5 +91,14 @@ def cuda_memory_info(ordinal: int | None) -> tuple[int, int] | None:
     return free.value, total.value
 
 
+def stored_bytes(x) -> int:
+    """Bytes an array (or one shard's data) takes on the device. ``nbytes`` counts a byte an
+    element for sub-byte types, while XLA stores int4 two to a byte: the N-major 4-bit weights
+    (``JAXLLM_INT4_HOPPER``) counted twice their size in the benchmarks' rooflines."""
+    import jax
+
+    return x.size * jax.dtypes.itemsize_bits(x.dtype) // 8
+
+
 __all__ = ["CUDA_DRIVER", "JAX_STATS", "DeviceMemory", "cuda_memory_info", "device_memory",
-           "jax_memory_fraction"]
+           "jax_memory_fraction", "stored_bytes"]
