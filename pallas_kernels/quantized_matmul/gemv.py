@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import column_loads, denormal_kernel, prescaled_inputs
+from .gemv_denormal import column_loads, denormal_kernel, fma, prescaled_inputs
 from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .reference import PER_WORD, is_pow2
 
@@ -249,10 +249,12 @@ def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_w
                 xj = x_ref[:, pl.ds(row, step_words), j].astype(jnp.float32) * 2.0**-pos
                 terms = [jnp.dot(xj.astype(dtype), w.astype(dtype),
                                  preferred_element_type=jnp.float32)]  # [M', bn]
-            else:  # x * 2^-pos: exact, a power of two
-                terms = [(x_ref[m, pl.ds(row, step_words), j].astype(jnp.float32)
-                          * 2.0**-pos)[:, None] * w for m in range(rows)]  # [rows_w, bn] each
-            parts = [t if p is None else p + t for p, t in zip(parts, terms, strict=True)]
+                parts = [t if p is None else p + t for p, t in zip(parts, terms, strict=True)]
+            else:  # x * 2^-pos: exact, a power of two; [rows_w, bn] each
+                xjs = [(x_ref[m, pl.ds(row, step_words), j].astype(jnp.float32)
+                        * 2.0**-pos)[:, None] for m in range(rows)]
+                parts = [xm * w if p is None else fma(xm, w, p, interpret)
+                         for p, xm in zip(parts, xjs, strict=True)]
         if dot or reduce:
             parts = [p if dot else p.sum(axis=0) for p in parts]  # [M', bn] or [bn] each
             return tuple(a + scale * p for a, p in zip(acc, parts, strict=True))

@@ -37,7 +37,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .gemv_denormal import X_EXP, column_loads, nibble_as_float, scale_x, x_unit
+from .gemv_denormal import X_EXP, column_loads, fma, nibble_as_float, scale_x, x_unit
 from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .hopper import centred_zeros_of, n_major_operands
 from .reference import PER_WORD, is_pow2
@@ -157,8 +157,8 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_wor
                 else:
                     xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
                     x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact)
-                t = w * xj[None, :]  # [bn, sw]
-                parts[m] = t if parts[m] is None else parts[m] + t
+                xb = xj[None, :]  # [bn, sw] products
+                parts[m] = w * xb if parts[m] is None else fma(xb, w, parts[m], interpret)
                 xs[m] = x1 if xs[m] is None else xs[m] + x1
         acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
         corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
