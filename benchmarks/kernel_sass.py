@@ -4,10 +4,13 @@ loops, or of the int4 GEMV's, as compiled for the H200 (sm_90), on a machine wit
 Not a timing: a way to see what a kernel change does to the code a GPU would run, between
 device calls. The kernel's Triton IR is captured from JAX's own lowering (the GPU query faked
 to compute capability 9.0), compiled to a cubin by ``triton.compile`` in an interpreter that
-has the ``triton`` package (``--triton-python``; Triton 3.6 from PyPI, which may differ from
-the Triton inside jaxlib), disassembled with the ``cuobjdump`` shipped with that package, and
-every loop holding MMA instructions (``HMMA``/``HGMMA``) is printed with its instruction count
-per warp and iteration and its most frequent opcodes.
+has the ``triton`` package (``--triton-python``; Triton 3.6 from PyPI), disassembled with the
+``cuobjdump`` shipped with that package, and every loop holding MMA instructions
+(``HMMA``/``HGMMA``) is printed with its instruction count per warp and iteration and its most
+frequent opcodes. ``--compiler xla`` compiles the kernel as the engine does instead, by XLA's
+GPU compiler for an H200 with the Triton inside jaxlib, and reads its cubin out of the
+executable (xla_cubin.py); this process then needs jax's CUDA plugin (JAX_PLATFORMS=cpu). The
+two differ: ``triton.compile`` contracts a multiply and an add into an FMA, XLA does not.
 
 ``--kernel matmul`` (the tiled int4 kernel, --matmul-config's fields) is printed as the
 attention kernels are. ``--kernel rmsnorm_fp8`` / ``swiglu_fp8`` (the FP8 activation kernels
@@ -24,6 +27,8 @@ weight (gemv_nk.py).
         --triton-python /tmp/tvenv/bin/python --output-json sass.json
     python -m jaxllm.benchmarks.kernel_sass --kernel gemv --k 14336 --n 4096 \\
         --gemv-config block_words=8,denormal=False --triton-python /tmp/tvenv/bin/python
+    JAX_PLATFORMS=cpu /tmp/cudavenv/bin/python -m jaxllm.benchmarks.kernel_sass --kernel gemv \
+        --n 6144 --compiler xla --triton-python /tmp/cudavenv/bin/python
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ print(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 """
 
 
-def _capture(fn, args) -> str:
+def kernel_ttir(fn, args) -> str:
     """The Triton IR (text) of the last Pallas kernel in ``jax.jit(fn)`` as JAX lowers it for
     an sm_90 GPU (the GPU query faked: ``step_kernels.tracing_for_gpu``)."""
     import jax
@@ -72,8 +77,8 @@ def _capture(fn, args) -> str:
     return captured[-1]
 
 
-def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple[str, int, int]:
-    """An attention kernel's Triton IR for sm_90, and its warps and stages."""
+def capture_attention(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple:
+    """An attention kernel's program ``(fn, args)``, and its warps and stages."""
     import jax
     import jax.numpy as jnp
     from jaxllm.pallas_kernels.paged_attention import (
@@ -93,14 +98,13 @@ def capture_ttir(kernel: str, kv_dtype: str, tokens: int, context: int) -> tuple
             jax.ShapeDtypeStruct((tokens,), jnp.int32))
     run = paged_attention_decode if kernel == "decode" else paged_attention_prefill
     config = DecodeConfig() if kernel == "decode" else PrefillConfig.for_dtypes(jnp.bfloat16, kv)
-    ttir = _capture(lambda *a: run(*a, scale=HEAD_DIM**-0.5), args)
-    return ttir, config.num_warps, config.num_stages
+    return (lambda *a: run(*a, scale=HEAD_DIM**-0.5), args), config.num_warps, config.num_stages
 
 
 def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
-                 config) -> tuple[str, int, int]:
-    """An int4 kernel's Triton IR for sm_90 ("gemv" or "matmul", the tiled one) over a [K, N]
-    weight at ``tokens`` bf16 rows, and its warps and stages."""
+                 config) -> tuple:
+    """An int4 kernel's program ``(fn, args)`` ("gemv" or "matmul", the tiled one) over a
+    [K, N] weight at ``tokens`` bf16 rows, and its warps and stages."""
     import jax
     import jax.numpy as jnp
     from jaxllm.pallas_kernels.quantized_matmul import int4_gemv, int4_gemv_nk, int4_matmul
@@ -109,20 +113,18 @@ def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
     if kernel == "gemv_nk":  # the N-major weight, its zero points centred (as the engine's)
         args = [spec((tokens, k), jnp.bfloat16), spec((n, k), jnp.int4),
                 spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.bfloat16)]
-        ttir = _capture(lambda x, w, s, z: int4_gemv_nk(x, w, s, z, group_size=group,
-                                                        config=config, centred_zeros=True),
-                        args)
-        return ttir, config.num_warps, 1
+        return (lambda x, w, s, z: int4_gemv_nk(x, w, s, z, group_size=group, config=config,
+                                                centred_zeros=True), args), config.num_warps, 1
     run = {"gemv": int4_gemv, "matmul": int4_matmul}[kernel]
     args = [spec((tokens, k), jnp.bfloat16), spec((k // 8, n), jnp.int32),
             spec((k // group, n), jnp.bfloat16), spec((k // group, n), jnp.uint8)]
-    ttir = _capture(lambda x, q, s, z: run(x, q, s, z, group_size=group, config=config), args)
-    return ttir, config.num_warps, config.num_stages
+    program = (lambda x, q, s, z: run(x, q, s, z, group_size=group, config=config), args)
+    return program, config.num_warps, config.num_stages
 
 
 def capture_activation_quant(kernel: str, tokens: int, hidden: int,
-                             intermediate: int) -> tuple[str, int, int]:
-    """An FP8 activation kernel's Triton IR for sm_90 ("rmsnorm_fp8" over bf16 rows of
+                             intermediate: int) -> tuple:
+    """An FP8 activation kernel's program ``(fn, args)`` ("rmsnorm_fp8" over bf16 rows of
     ``hidden``, "swiglu_fp8" over gate_up's float32 product of ``intermediate`` pairs) at
     ``tokens`` rows, and its warps and stages."""
     import jax
@@ -135,13 +137,12 @@ def capture_activation_quant(kernel: str, tokens: int, hidden: int,
 
     spec = jax.ShapeDtypeStruct
     if kernel == "rmsnorm_fp8":
-        ttir = _capture(lambda x, w: rmsnorm_quantize_fp8(x, w, 1e-5),
-                        [spec((tokens, hidden), jnp.bfloat16), spec((hidden,), jnp.bfloat16)])
-        return ttir, rows_fp8.NUM_WARPS, 1
-    ttir = _capture(lambda p, xs, ws: swiglu_quantize_fp8(p, xs, ws, jnp.bfloat16),
-                    [spec((tokens, 2 * intermediate), jnp.float32),
-                     spec((tokens, 1), jnp.float32), spec((2 * intermediate,), jnp.float32)])
-    return ttir, rows_fp8.NUM_WARPS, 1
+        return ((lambda x, w: rmsnorm_quantize_fp8(x, w, 1e-5),
+                 [spec((tokens, hidden), jnp.bfloat16), spec((hidden,), jnp.bfloat16)]),
+                rows_fp8.NUM_WARPS, 1)
+    return ((lambda p, xs, ws: swiglu_quantize_fp8(p, xs, ws, jnp.bfloat16),
+             [spec((tokens, 2 * intermediate), jnp.float32), spec((tokens, 1), jnp.float32),
+              spec((2 * intermediate,), jnp.float32)]), rows_fp8.NUM_WARPS, 1)
 
 
 def _code(sass: str) -> list[tuple[int, str, str]]:
@@ -175,20 +176,25 @@ def loops(sass: str, mma_only: bool = True) -> list[dict]:
     return found
 
 
-def compile_sass(ttir: str, warps: int, stages: int, triton_python: str,
-                 usage: dict | None = None) -> str:
-    """The SASS of the Triton IR compiled for sm_90 by ``triton_python``'s Triton; with
-    ``usage``, the kernel's registers, stack and shared memory (``cuobjdump -res-usage``) are
-    put in it."""
+def compile_sass(program, warps: int, stages: int, triton_python: str,
+                 usage: dict | None = None, compiler: str = "triton") -> str:
+    """The SASS of ``program``'s Pallas kernel for sm_90: compiled from its Triton IR by
+    ``triton_python``'s Triton (``compiler`` "triton"), or by XLA as the engine compiles it
+    ("xla": this process needs jax's CUDA plugin; xla_cubin.py); with ``usage``, the kernel's
+    registers, stack and shared memory (``cuobjdump -res-usage``) are put in it."""
     with tempfile.TemporaryDirectory() as tmp:
-        ttir_path, cubin = os.path.join(tmp, "kernel.ttir"), os.path.join(tmp, "kernel.cubin")
-        with open(ttir_path, "w") as f:
-            f.write(ttir)
-        done = subprocess.run([triton_python, "-c", _COMPILE, ttir_path, str(warps),
-                               str(stages), cubin], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"triton.compile failed in {triton_python}:\n{done.stderr}")
-        cuobjdump = done.stdout.strip().splitlines()[-1]
+        cubin = os.path.join(tmp, "kernel.cubin")
+        if compiler == "xla":
+            cuobjdump = _xla_cubin(program, cubin, triton_python)
+        else:
+            ttir_path = os.path.join(tmp, "kernel.ttir")
+            with open(ttir_path, "w") as f:
+                f.write(kernel_ttir(*program))
+            done = subprocess.run([triton_python, "-c", _COMPILE, ttir_path, str(warps),
+                                   str(stages), cubin], capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"triton.compile failed in {triton_python}:\n{done.stderr}")
+            cuobjdump = done.stdout.strip().splitlines()[-1]
         if usage is not None:
             text = subprocess.run([cuobjdump, "-res-usage", cubin], capture_output=True,
                                   text=True, check=True).stdout
@@ -196,6 +202,25 @@ def compile_sass(ttir: str, warps: int, stages: int, triton_python: str,
                           in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)})
         return subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+
+
+def _xla_cubin(program, cubin: str, triton_python: str) -> str:
+    """Writes the cubin of the Pallas kernel in XLA's executable of ``program`` (the one
+    whose function is no XLA fusion) to ``cubin``; returns the cuobjdump to read it with."""
+    from jaxllm.benchmarks.xla_cubin import compile_deviceless, executable_cubins
+
+    cuobjdump = subprocess.run(
+        [triton_python, "-c", "import os, triton; print(os.path.join(os.path.dirname("
+         "triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    for image in executable_cubins(compile_deviceless(*program)):
+        with open(cubin, "wb") as f:
+            f.write(image)
+        names = re.findall(r"Function (\S+):", subprocess.run(
+            [cuobjdump, "-res-usage", cubin], capture_output=True, text=True).stdout)
+        if names and not any("fusion" in n or n.startswith("wrapped_") for n in names):
+            return cuobjdump
+    raise SystemExit("no Pallas kernel among the executable's cubins")
 
 
 def config_fields(text: str | None) -> dict:
@@ -234,13 +259,14 @@ def _gemv_config(args):
 
 
 def first_load_burst(sass: str) -> int:
-    """16-byte global loads issued before the first FMA: how many of a step's weight loads a
-    thread has in flight at once (ptxas may sink each just ahead of its products)."""
+    """16-byte global loads issued before the first FMA (or multiply: XLA's compile keeps
+    multiply and add apart): how many of a step's weight loads a thread has in flight at once
+    (ptxas may sink each just ahead of its products)."""
     burst = 0
     for op in _opcodes(sass):
         if op.startswith("LDG.E.128"):
             burst += 1
-        elif op.startswith("FFMA") and burst:
+        elif op.startswith(("FFMA", "FMUL")) and burst:
             break
     return burst
 
@@ -252,10 +278,10 @@ def run_gemv(args) -> dict:
     from jaxllm.pallas_kernels.quantized_matmul.reference import PER_WORD
 
     config = _gemv_config(args)
-    ttir, warps, stages = capture_int4(args.kernel, args.k, args.n, args.tokens,
-                                       args.group_size, config)
+    program, warps, stages = capture_int4(args.kernel, args.k, args.n, args.tokens,
+                                          args.group_size, config)
     usage = {}
-    sass = compile_sass(ttir, warps, stages, args.triton_python, usage)
+    sass = compile_sass(program, warps, stages, args.triton_python, usage, args.compiler)
     if args.sass_out:
         with open(args.sass_out, "w") as f:
             f.write(sass)
@@ -309,10 +335,10 @@ def run_activation_quant(args) -> dict:
     loop: the whole kernel, its loops listed)."""
     from jaxllm.benchmarks.provenance import source_commit, write_json
 
-    ttir, warps, stages = capture_activation_quant(args.kernel, args.tokens, args.hidden,
-                                                   args.intermediate)
+    program, warps, stages = capture_activation_quant(args.kernel, args.tokens, args.hidden,
+                                                      args.intermediate)
     usage = {}
-    sass = compile_sass(ttir, warps, stages, args.triton_python, usage)
+    sass = compile_sass(program, warps, stages, args.triton_python, usage, args.compiler)
     body = [op for op in _opcodes(sass) if op not in ("NOP", "EXIT")]
     result = {"commit": source_commit(), "kernel": args.kernel, "tokens": args.tokens,
               "hidden": args.hidden, "intermediate": args.intermediate, "num_warps": warps,
@@ -335,12 +361,12 @@ def run(args) -> dict:
         from jaxllm.pallas_kernels.quantized_matmul import Int4MatmulConfig
 
         config = Int4MatmulConfig(**config_fields(args.matmul_config))
-        ttir, warps, stages = capture_int4("matmul", args.k, args.n, args.tokens,
+        program, warps, stages = capture_int4("matmul", args.k, args.n, args.tokens,
                                            args.group_size, config)
     else:
-        ttir, warps, stages = capture_ttir(args.kernel, args.kv_dtype, args.tokens,
+        program, warps, stages = capture_attention(args.kernel, args.kv_dtype, args.tokens,
                                            args.context)
-    sass = compile_sass(ttir, warps, stages, args.triton_python)
+    sass = compile_sass(program, warps, stages, args.triton_python, compiler=args.compiler)
     result = {"commit": source_commit(), "kernel": args.kernel, "kv_dtype": args.kv_dtype,
               "tokens": args.tokens, "context": args.context,
               "num_warps": warps, "num_stages": stages,
@@ -383,6 +409,10 @@ def main(argv=None) -> None:
     parser.add_argument("--triton-python", required=True,
                         help="an interpreter with the triton package (e.g. a venv with "
                         "triton==3.6.0: its compiler and cuobjdump need no GPU)")
+    parser.add_argument("--compiler", choices=["triton", "xla"], default="triton",
+                        help="triton: triton.compile of the kernel's Triton IR (FP "
+                        "contraction on); xla: XLA's compile, as the engine runs it (run this "
+                        "under a Python with jax's CUDA plugin, JAX_PLATFORMS=cpu)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.tokens is None:

@@ -189,9 +189,10 @@ def test_kernel_sass_captures_triton_ir_and_finds_mma_loops():
     sm_90 (FP8 pages) is captured from JAX's lowering, and the SASS parser finds a loop with
     MMA instructions by its backward branch (and ignores one without, unless asked for every
     loop)."""
-    from jaxllm.benchmarks.kernel_sass import capture_ttir, loops
+    from jaxllm.benchmarks.kernel_sass import capture_attention, kernel_ttir, loops
 
-    ttir, warps, stages = capture_ttir("decode", "float8_e4m3fn", tokens=4, context=40)
+    program, warps, stages = capture_attention("decode", "float8_e4m3fn", tokens=4, context=40)
+    ttir = kernel_ttir(*program)
     assert "tt.func" in ttir and "f8E4M3FN" in ttir and (warps, stages) == (4, 3)
     sass = "\n".join([
         "        /*0010*/                   MOV R1, c[0x0][0x28] ;",
@@ -310,11 +311,12 @@ def test_step_kernels_compiles_the_engines_step_for_an_h200_without_one(tiny_con
 
 def test_kernel_sass_captures_the_fp8_activation_kernels():
     # benchmarks/kernel_sass.py --kernel rmsnorm_fp8 | swiglu_fp8: their Triton IR for sm_90
-    from jaxllm.benchmarks.kernel_sass import capture_activation_quant
+    from jaxllm.benchmarks.kernel_sass import capture_activation_quant, kernel_ttir
 
     for kernel, dtype in (("rmsnorm_fp8", "bf16"), ("swiglu_fp8", "f32")):
-        ttir, warps, stages = capture_activation_quant(kernel, tokens=4, hidden=256,
-                                                       intermediate=512)
+        program, warps, stages = capture_activation_quant(kernel, tokens=4, hidden=256,
+                                                          intermediate=512)
+        ttir = kernel_ttir(*program)
         assert "tt.func" in ttir and "f8E4M3FN" in ttir and dtype in ttir, kernel
         assert (warps, stages) == (4, 1)
 
