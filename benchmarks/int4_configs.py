@@ -37,7 +37,8 @@ GEMV_MODES = [
 # Candidate GEMV tables (Int4GemvConfig kwargs by (tokens, K, N)), timed by --gemv-modes and
 # put in the engine by step_profile's and step_timeline's ``--gemv-overrides table=NAME``.
 # "loads_first": every 8B projection at one token loading each step's words before its first
-# FMA, picked from the sm_90 SASS (Triton 3.6; RESULTS 2026-12-05, 21:08- UTC): qkv, o and
+# FMA (GEMV_TABLE since 2026-12-06 but for gate_up, slower so on the H100), picked from the
+# sm_90 SASS (Triton 3.6; RESULTS 2026-12-05, 21:08- UTC): qkv, o and
 # gate_up as GEMV_TABLE's; down moves to the denormal loop (2.54 instructions a weight against
 # the 2^23 loop's 6.14) at 8 word rows a step with the next step's words prefetched (two
 # bursts of 8 16-byte loads a thread, 56 registers; at 16 rows a step only 256 programs).

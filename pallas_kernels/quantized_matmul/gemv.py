@@ -157,27 +157,27 @@ class Int4GemvConfig:
 
 
 # Configs by (tokens rounded up to a power of two, K, N); a shape not listed takes
-# gemv_config's rule. Picked for the denormal inner loop from its SASS (sm_90, Triton 3.6:
-# python -m jaxllm.benchmarks.kernel_sass --kernel gemv): a thread owns block_n / (32 num_warps)
-# columns and loads x once per (row, nibble) for all of them, so at least 4 columns a thread,
-# with enough one- or two-warp programs to keep ~8-14 warps an SM. Then timed once on the H200
-# (2026-12-02 16:16 UTC, benchmarks/int4_matmul.py --models 8b --tokens 1 --gemv-before,
-# benchmarks/RESULTS.md), us against the 2^23-magic loop's configs in the same process:
-# qkv 29.4 against 31.7, o 13.0 against 24.6, gate_up 53.6 against 74.9; down 78.5 against
-# 65.3, so down keeps the magic loop. SASS instructions a weight in the comments (whole kernel
-# when a program runs one step, else the loop), x read by the kernel / pre-scaled by XLA
-# (x_in_kernel; the timings above are of the pre-scaled loop, before x moved into the
-# kernel). One run of small kernels: noisy.
+# gemv_config's rule. The denormal inner loop everywhere: a thread owns block_n / (32 num_warps)
+# columns and loads x once per (row, nibble) for all of them, so at least 4 columns a thread.
+# Timed in the engine's AWQ batch-1 step on an H100 (2026-12-06, benchmarks/RESULTS.md: each
+# projection's device time by position in a traced step, step_profile --sequence), median us a
+# layer, GEMV_TABLE before -> this table, both with the FMA: qkv 10.5 -> 8.4 and o 9.0 -> 6.1
+# (each step's 16 word loads issued together, loads_first), down 20.8 -> 16.0 (the denormal
+# loop with the next step's words prefetched, instead of the 2^23 loop's 6.19 instructions a
+# weight and a shared-memory reduction every step); gate_up stays (26.9 us; with loads_first
+# 29.5: 168 registers). The GEMVs 2.15 -> 1.84 ms a step. Instructions a weight in XLA's
+# compile (kernel_sass --kernel gemv --compiler xla), whole kernel when a program runs one step,
+# else its loop:
 GEMV_TABLE: dict[tuple[int, int, int], Int4GemvConfig] = {
-    # qkv: 3.06 / 2.73 (the magic loop at block_n=256, num_warps=8: 6.36)
-    (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=2),
-    # o: 3.08 / 2.76 (magic, num_warps=2: 5.52)
-    (1, 4096, 4096): Int4GemvConfig(block_n=256, num_warps=2),
-    # gate_up: 2.55 / 2.40 (magic, max_acc_registers=64: 5.53)
+    # qkv: 2.54, 96 registers, 14 of its 16 weight loads before the first product
+    (1, 4096, 6144): Int4GemvConfig(block_n=256, num_warps=2, loads_first=True),
+    # o: 2.54 (as qkv)
+    (1, 4096, 4096): Int4GemvConfig(block_n=256, num_warps=2, loads_first=True),
+    # gate_up: 2.38, 64 registers
     (1, 4096, 28672): Int4GemvConfig(block_n=512, num_warps=2),
-    # down: the magic loop, 6.14 (denormal at block_n=256, num_warps=2, block_words=8: 2.69,
-    # but slower: too few warps in flight for K = 14336, untested wider)
-    (1, 14336, 4096): Int4GemvConfig(block_words=8, denormal=False),
+    # down: 2.65, 70 registers, 8 loads issued together and 8 prefetched
+    (1, 14336, 4096): Int4GemvConfig(block_n=256, num_warps=2, block_words=8, prefetch=True,
+                                      loads_first=True),
 }
 # From 4 tokens the dot variant: counted in the SASS of the kernel compiled for sm_90 (Triton
 # 3.6, K = N = 4096, group 128; not a timing), instructions per weight of the denormal FMA loop
