@@ -149,9 +149,9 @@ GEMV_CASES = [
                                                   byte_permute=False, num_splits=2)),
     (256, 96, 64, 3, jnp.bfloat16, Int4GemvConfig(block_n=32, x_in_kernel=True,
                                                   splits_sum="last", loads_first=True)),
-    # int4_configs' candidate table "loads_first" (down: 8 rows a step, prefetched)
+    # every config of int4_configs' candidate tables (down: 8 rows a step, prefetched)
     *[(512, 320, 128, 1, jnp.bfloat16, Int4GemvConfig(**fields))
-      for fields in GEMV_CANDIDATE_TABLES["loads_first"].values()],
+      for table in GEMV_CANDIDATE_TABLES.values() for fields in table.values()],
 ]
 
 
