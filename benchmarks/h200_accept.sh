@@ -48,7 +48,8 @@
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
 #   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
 #   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
-#   the same with every GEMV loading its step's words first (loads_first); "i6": the GEMVs
+#   the same with every GEMV loading its step's words first (loads_first); "p1g": with
+#   gate_up's loads first (the "gate_up_256" candidate table); "i6": the GEMVs
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
 #   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
@@ -283,6 +284,11 @@ only17() {
       $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides "$LOADS_FIRST" \
       --out-dir "$DIR/p1l"
     rm -rf "$DIR"/p1l/trace
+    # p1g: p1s with gate_up's loads first at 96 registers (int4_configs' "gate_up_256")
+    picked p1g && step p1g_profile_awq_b1_gate_up 70 150 $PY -m jaxllm.benchmarks.step_profile \
+      $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides table=gate_up_256 \
+      --out-dir "$DIR/p1g"
+    rm -rf "$DIR"/p1g/trace
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
