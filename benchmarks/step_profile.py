@@ -114,23 +114,45 @@ def _kernel_group(name: str) -> str:
     return re.sub(r"(_\d+)+$|\.\d+$", "", name)[:90]
 
 
-def step_sequence(kernels: list[tuple[str, int, int]], steps: int, pattern: str) -> dict:
+def step_sequence(kernels: list[tuple[str, int, int]], steps: int, pattern: str,
+                  layers: int | None = None) -> dict:
     """The kernels matching ``pattern`` in launch order, split into ``steps`` equal runs (the
-    traced steps, all of one shape): each position's median duration (us) and name."""
+    traced steps, all of one shape): each position's median duration (us) and name. With
+    ``layers`` (the model's), when the step's run is that many repeats of one layer's kernels
+    (before or after the few outside them): each position of a layer, its median over the
+    layers and its ms a step (``by_layer``), and the kernels outside the layers."""
     picked = [(name, d) for name, _, d in sorted(kernels, key=lambda k: k[1])
               if re.search(pattern, name)]
     if not steps or not picked or len(picked) % steps:
         return {"error": f"{len(picked)} kernels matching {pattern!r} over {steps} steps"}
     per_step = len(picked) // steps
     durations = np.array([d for _, d in picked], dtype=float).reshape(steps, per_step)
-    return {"pattern": pattern, "per_step": per_step,
-            "names": [_kernel_group(name) for name, _ in picked[:per_step]],
-            "median_us": [round(float(x), 2) for x in np.median(durations, axis=0) / 1e3]}
+    names = [_kernel_group(name) for name, _ in picked[:per_step]]
+    medians = np.median(durations, axis=0) / 1e3
+    result = {"pattern": pattern, "per_step": per_step, "names": names,
+              "median_us": [round(float(x), 2) for x in medians]}
+    period = per_step // layers if layers else 0
+    for first in (0, per_step - period * layers) if period else ():
+        inside = range(first, first + period * layers)
+        if all(names[i].rstrip("_") == names[first + (i - first) % period].rstrip("_")
+               for i in inside):
+            by_position = medians[first:first + period * layers].reshape(layers, period)
+            result["by_layer"] = [
+                {"name": names[first + j],
+                 "median_us": round(float(np.median(by_position[:, j])), 2),
+                 "ms_a_step": round(float(by_position[:, j].sum()) / 1e3, 3)}
+                for j in range(period)]
+            result["outside_layers"] = [{"name": names[i], "median_us": round(float(medians[i]), 2)}
+                                        for i in range(per_step) if i not in inside]
+            break
+    return result
 
 
-def summarize_trace(path: str, steps: list[dict], top: int, sequence: str | None = None) -> dict:
+def summarize_trace(path: str, steps: list[dict], top: int, sequence: str | None = None,
+                    layers: int | None = None) -> dict:
     """Device-side figures of one ``xplane.pb`` (see the module docstring); ``steps`` are the
-    traced steps' shapes (``_step_info``); ``sequence``: a regex for :func:`step_sequence`."""
+    traced steps' shapes (``_step_info``); ``sequence``: a regex for :func:`step_sequence`
+    (``layers``: the model's)."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(path)
@@ -173,7 +195,7 @@ def summarize_trace(path: str, steps: list[dict], top: int, sequence: str | None
     }
     if sequence:
         summary["sequence"] = step_sequence(
-            [k for k in kernels if not k[0].startswith("Memcpy")], len(steps), sequence)
+            [k for k in kernels if not k[0].startswith("Memcpy")], len(steps), sequence, layers)
     return summary
 
 
@@ -259,7 +281,8 @@ def run(args) -> None:
         profiler.disable()
 
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True))
-    result["device"] = summarize_trace(paths[-1], traced, args.top, args.sequence) if paths else {
+    result["device"] = summarize_trace(paths[-1], traced, args.top, args.sequence,
+                                       model.config.num_hidden_layers) if paths else {
         "error": "no trace written (the run had fewer steps than --trace-steps' start)"}
     text = io.StringIO()
     stats = pstats.Stats(profiler, stream=text)
@@ -296,6 +319,11 @@ def _print(result: dict, host: str) -> None:
                   f"  {seq['pattern']!r}, {seq['per_step']} a step, median us by position: "
                   + " ".join(f"{n}={u}" for n, u in zip(seq["names"][:12], seq["median_us"][:12],
                                                             strict=True)))
+            if "by_layer" in seq:
+                print("  a layer's positions, median us over the layers (ms a step): " + ", ".join(
+                    f"#{j} {p['name']} {p['median_us']} ({p['ms_a_step']})"
+                    for j, p in enumerate(seq["by_layer"])) + "; outside the layers: " + ", ".join(
+                    f"{p['name']} {p['median_us']}" for p in seq["outside_layers"]))
     print("\nhost (cProfile, by own time):")
     print("\n".join(host.splitlines()[:45]))
 

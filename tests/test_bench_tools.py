@@ -103,6 +103,25 @@ def test_step_profile_sequence_gives_each_position_of_a_step_apart():
     assert seq == {"pattern": "gemv", "per_step": 2, "names": ["int4_gemv", "int4_gemv"],
                    "median_us": [10.0, 41.0]}
     assert "error" in step_sequence(kernels, 4, "gemv")
+    # two layers of (GEMV, attention, GEMV) and the LM head after them, over 2 steps: each
+    # position of a layer, its median over the layers and its ms a step
+    kernels, t = [], 0
+    for _ in range(2):
+        for layer in range(2):
+            for name, us in (("int4_gemv", 10 + layer), ("paged_attention_decode", 7),
+                             (f"int4_gemv_{layer + 1}", 30 + 2 * layer)):
+                kernels.append((name, t, us * 1000))
+                t += 100_000
+        kernels.append(("gemm_fusion_dot", t, 300_000))
+        t += 100_000
+    seq = step_sequence(kernels, 2, "gemv|attention|gemm", layers=2)
+    assert seq["by_layer"] == [
+        {"name": "int4_gemv", "median_us": 10.5, "ms_a_step": 0.021},
+        {"name": "paged_attention_decode", "median_us": 7.0, "ms_a_step": 0.014},
+        {"name": "int4_gemv", "median_us": 31.0, "ms_a_step": 0.062}]
+    assert seq["outside_layers"] == [{"name": "gemm_fusion_dot", "median_us": 300.0}]
+    # no repeating layer: positions only
+    assert "by_layer" not in step_sequence(kernels, 2, "gemv|attention|gemm", layers=3)
 
 
 def test_prefill_anatomy_splits_a_kernel_profile_by_role_and_scope(tmp_path):
