@@ -49,7 +49,8 @@
 #   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
 #   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
 #   the same with every GEMV loading its step's words first (loads_first); "p1g": with
-#   gate_up's loads first (the "gate_up_256" candidate table); "i6": the GEMVs
+#   gate_up's loads first (the "gate_up_256" candidate table); "p1k": with the split-K sums in
+#   the GEMV (splits_sum=last); "i6": the GEMVs
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
 #   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
@@ -289,6 +290,13 @@ only17() {
       $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides table=gate_up_256 \
       --out-dir "$DIR/p1g"
     rm -rf "$DIR"/p1g/trace
+    # p1k: p1s with the split-K partials summed by each column block's last split, in the GEMV
+    # (splits_sum=last: 584 -> 491 launches a step; 152 input_reduce_fusions a step took 0.28 ms
+    # of the H100's 3.15 on 2026-12-06)
+    picked p1k && step p1k_profile_awq_b1_last_split 70 150 $PY -m jaxllm.benchmarks.step_profile \
+      $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides splits_sum=last \
+      --out-dir "$DIR/p1k"
+    rm -rf "$DIR"/p1k/trace
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
