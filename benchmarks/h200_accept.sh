@@ -240,7 +240,7 @@ only17() {
     # lb: the one- and two-row decode steps (bench latency at batch 1 / 2): XLA compiles the
     # one-row program with 65 more launches (bf16; its RMSNorms unfused), so whether the
     # smallest decode bucket should be 2; bf16, AWQ, AWQ on the N-major weights (~2 minutes)
-    local tiny="${lat/1,64,256/1,2}"
+    local tiny="${lat/1,64,256/1,2} --device-time"  # the device's own ms too (a slow host)
     picked lb && step lb_latency_one_two_rows 40 240 bash -c "$PY $tiny --output-json $DIR/lb_bf16.json; \
       $PY $tiny -q awq --output-json $DIR/lb_awq.json; JAXLLM_INT4_HOPPER=on $PY $tiny -q awq \
       --output-json $DIR/lb_awq_nk.json"

@@ -10,9 +10,11 @@ runner calls it) for B sequences that each hold ``--context-len`` tokens in the 
 all-greedy variant is included. The pool holds zeros: attention reads the same bytes whatever
 they hold. Median of ``--iters`` steps after warm-up, each synchronised with
 ``block_until_ready`` (``step ms``, its launch included), and the same steps launched back to
-back, each with a fresh batch buffer (``b2b step ms``: how the engine's async decode runs).
-This is the device side of a step; the engine's host work per step is in
-``benchmarks/engine_step.py``.
+back, each with a fresh batch buffer (``b2b step ms``: how the engine's async decode runs: the
+larger of the host's launch and the device's step). ``--device-time`` adds the device's own
+time a step (``device ms``): the same back-to-back steps traced by the profiler, the union of
+their kernels' intervals divided by the steps, a figure a slow host cannot inflate. The
+engine's host work per step is in ``benchmarks/engine_step.py``.
 
 Roofline (``../shared/reference/performance.md`` section 6): a decode step must read every
 weight once and every sequence's K and V once, so
@@ -30,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
+import tempfile
 import time
 
 import numpy as np
@@ -72,6 +76,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the pool's dtype, as the engine's flag (fp8: half the KV bytes, "
                         "counted so in the roofline)")
+    parser.add_argument("--device-time", action="store_true",
+                        help="also trace the back-to-back steps with the profiler and report "
+                        "the device's busy time a step (independent of the host's launch)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup-iters", type=int, default=3)
     parser.add_argument("--bandwidth-gbps", type=float, default=None,
@@ -163,12 +170,13 @@ def compile_decode_step(model, batch_size: int, context: int, *, block_size: int
 def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 16,
                      backend: str = "auto", iters: int = 20, warmup: int = 3,
                      pool_blocks: int | None = None, micro_batches: int | None = None,
-                     kv_dtype=None) -> dict:
+                     kv_dtype=None, device_time: bool = False) -> dict:
     """Seconds of one decode step: ``step`` = median of steps each waited for (its launch
     included: what a lone step costs), ``launch`` = median of the call alone (the host
     blocked), ``back_to_back`` = wall / steps of ``iters`` steps launched without waiting,
     each with a freshly transferred batch (how the engine's async decode runs: the larger of
-    the host's and the device's cost per step). Also the compiled step's temporary bytes."""
+    the host's and the device's cost per step), with ``device_time`` ``device`` = the device's
+    busy time a step over the same steps traced. Also the compiled step's temporary bytes."""
     import jax
 
     step, pool, batch = compile_decode_step(model, batch_size, context, block_size=block_size,
@@ -189,15 +197,42 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
         jax.block_until_ready(tokens)
         times.append(time.perf_counter() - t)
     host_batch = jax.device_get(batch)
-    fresh = jax.block_until_ready([jax.device_put(host_batch) for _ in range(iters)])
-    outs, start = [], time.perf_counter()
-    for b in fresh:
-        tokens, pool = step(model.params, pool, b)
-        outs.append(tokens)
-    jax.block_until_ready(outs)
-    back_to_back = (time.perf_counter() - start) / iters
-    return {"step": float(np.median(times)), "launch": float(np.median(launches)),
-            "back_to_back": back_to_back, "temp_bytes": temp_bytes}
+
+    def back_to_back_steps(pool, trace_dir: str | None = None):
+        fresh = jax.block_until_ready([jax.device_put(host_batch) for _ in range(iters)])
+        if trace_dir:
+            jax.profiler.start_trace(trace_dir)
+        try:
+            outs, start = [], time.perf_counter()
+            for b in fresh:
+                tokens, pool = step(model.params, pool, b)
+                outs.append(tokens)
+            jax.block_until_ready(outs)
+            return (time.perf_counter() - start) / iters, pool
+        finally:
+            if trace_dir:
+                jax.profiler.stop_trace()
+
+    back_to_back, pool = back_to_back_steps(pool)
+    timed = {"step": float(np.median(times)), "launch": float(np.median(launches)),
+             "back_to_back": back_to_back, "temp_bytes": temp_bytes}
+    if device_time:
+        with tempfile.TemporaryDirectory() as trace_dir:
+            _, pool = back_to_back_steps(pool, trace_dir)
+            timed["device"] = device_busy_s(trace_dir) / iters
+    return timed
+
+
+def device_busy_s(trace_dir: str) -> float:
+    """Seconds the device was busy in the profiler trace under ``trace_dir``: the union of
+    every GPU stream's kernel and copy intervals."""
+    from jaxllm.benchmarks.step_profile import summarize_trace
+
+    [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    device = summarize_trace(path, [], top=0)
+    if "error" in device:
+        raise RuntimeError(f"--device-time: {device['error']}")
+    return device["busy_ms"] / 1e3
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -209,6 +244,9 @@ def run(args: argparse.Namespace) -> dict:
     from jaxllm.layers.linear import int4_hopper_enabled
     from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
+    if args.device_time and jax.default_backend() == "cpu":
+        raise SystemExit("--device-time reads the GPU's kernels from a profiler trace: it needs "
+                         "a GPU (this backend is cpu)")
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
     # Loaded in the layout the engine would run (no second copy made to re-lay it out).
@@ -250,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
             model, b, args.context_len, block_size=args.block_size,
             backend=args.attention_backend, iters=args.iters, warmup=args.warmup_iters,
             pool_blocks=args.pool_blocks, micro_batches=args.pp_micro_batches,
-            kv_dtype=kv_dtype)
+            kv_dtype=kv_dtype, device_time=args.device_time)
         measured, b2b = timed["step"], timed["back_to_back"]
         micro = min(args.pp_micro_batches or num_micro_batches(b, pp), b) if pp > 1 else 1
         bound = roofline_s(weight_bytes, cfg, itemsize, b, args.context_len, bandwidth,
@@ -263,18 +301,24 @@ def run(args: argparse.Namespace) -> dict:
                      "output_tokens_per_s": b / measured,
                      "back_to_back_step_ms": 1e3 * b2b,
                      "back_to_back_pct_of_roofline": 100 * bound / b2b,
+                     **({"device_step_ms": 1e3 * timed["device"],
+                         "device_pct_of_roofline": 100 * bound / timed["device"]}
+                        if "device" in timed else {}),
                      # Pipeline stages: the step's micro-batches and the idle share of them.
                      "micro_batches": micro,
                      "bubble_fraction": bubble_fraction(micro, pp)})
     print(f"layers {'unrolled' if unroll else 'scanned'}"
           + (f", {pp} pipeline stages" if pp > 1 else ""))
     print(f"{'batch':>6}{'step ms':>10}{'launch ms':>11}{'roofline ms':>13}{'% roofline':>12}"
-          f"{'tok/s':>11}{'b2b step ms':>13}{'b2b % roofline':>16}")
+          f"{'tok/s':>11}{'b2b step ms':>13}{'b2b % roofline':>16}"
+          + (f"{'device ms':>11}{'device % roofline':>19}" if args.device_time else ""))
     for r in rows:
         print(f"{r['batch_size']:>6}{r['step_ms']:>10.3f}{r['launch_ms']:>11.3f}"
               f"{r['roofline_ms']:>13.3f}{r['pct_of_roofline']:>11.1f}%"
               f"{r['output_tokens_per_s']:>11.1f}{r['back_to_back_step_ms']:>13.3f}"
-              f"{r['back_to_back_pct_of_roofline']:>15.1f}%")
+              f"{r['back_to_back_pct_of_roofline']:>15.1f}%"
+              + (f"{r['device_step_ms']:>11.3f}{r['device_pct_of_roofline']:>18.1f}%"
+                 if "device_step_ms" in r else ""))
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
               "commit": source_commit(),
               "model": model.name, "dtype": model.dtype.name,

@@ -158,7 +158,9 @@ def test_prefill_anatomy_splits_a_kernel_profile_by_role_and_scope(tmp_path):
 def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_path):
     """``bench latency`` end to end on the tiny model with an FP8 pool: each batch size has a
     waited and a back-to-back step, and the roofline counts one byte per KV element."""
-    from jaxllm.benchmarks.latency import kv_bytes_per_token, roofline_s
+    import jax
+    import jax.numpy as jnp
+    from jaxllm.benchmarks.latency import device_busy_s, kv_bytes_per_token, roofline_s
 
     out = tmp_path / "lat.json"
     assert bench_main(["latency", *tiny_bench_args(tiny_config), "--batch-sizes", "1,4",
@@ -167,6 +169,17 @@ def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_pat
                        "--output-json", str(out)]) in (0, None)
     r = json.loads(out.read_text())
     assert [row["batch_size"] for row in r["rows"]] == [1, 4]
+    assert not any("device_step_ms" in row for row in r["rows"])
+    # --device-time reads GPU kernels from a profiler trace: refused up front on the CPU
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        bench_main(["latency", *tiny_bench_args(tiny_config), "--device-time"])
+    # and a trace without a GPU's kernels is an error, never a zero
+    trace_dir = tmp_path / "trace"
+    jax.profiler.start_trace(str(trace_dir))
+    jax.jit(lambda x: x * 2)(jnp.ones(4)).block_until_ready()
+    jax.profiler.stop_trace()
+    with pytest.raises(RuntimeError, match="no device kernels"):
+        device_busy_s(str(trace_dir))
     for row in r["rows"]:
         assert row["back_to_back_step_ms"] > 0 and row["step_ms"] > 0
         assert row["back_to_back_pct_of_roofline"] == pytest.approx(
