@@ -5,9 +5,10 @@ int32 word is read once, unpacked in registers and multiplied by the activations
 FMAs (no tensor-core dot padded to 16 rows: at 1 token that is 15 rows of wasted work and a
 register reshuffle per tile). The default inner loop (``denormal=True``, gemv_denormal.py) reads
 each masked nibble as a float32 subnormal against x scaled by a power of two and takes the
-zero point out of the loop: one LOP3 and one FFMA a weight (~2.55-3.1 instructions a weight in
-all with x scaled as the kernel reads it, ~2.4-2.8 with x pre-scaled by XLA, against ~5.5-6.4
-for the loop below, in the sm_90 SASS of the Llama-3-8B projections).
+zero point out of the loop: one LOP3 and one FFMA a weight (2.38-2.65 instructions a weight
+in all with x pre-scaled by XLA, against 6.19 for the loop below, in the sm_90 SASS XLA
+compiles for the Llama-3-8B projections: ``kernel_sass --compiler xla``; the FFMA is
+gemv_denormal.fma's inline PTX, as XLA contracts no multiply-add).
 The loop before it (``denormal=False``), per word row r of a step and nibble j, input row
 8r + j::
 
