@@ -383,7 +383,7 @@ def run(args) -> dict:
     return result
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kernel", default="decode",
                         choices=["decode", "prefill", "gemv", "gemv_nk", "matmul",
@@ -418,7 +418,7 @@ def main(argv=None) -> None:
     if args.tokens is None:
         args.tokens = {"decode": 256, "prefill": 2048, "gemv": 1, "gemv_nk": 1, "matmul": 128,
                        "rmsnorm_fp8": 64, "swiglu_fp8": 64}[args.kernel]
-    run(args)
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ and prefill-anatomy benchmarks, the checkpoint writer and the SASS reader."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -13,6 +12,7 @@ import subprocess
 
 import pytest
 from conftest import TINY_HF_CONFIG, tiny_bench_args
+from deviceless import needs_cuda_plugin
 from jaxllm.benchmarks.__main__ import main as bench_main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -308,12 +308,6 @@ def test_step_kernels_digest_leaves_out_only_what_names_the_source():
     same = program_digest(module("/tmp/old_tree", 10))
     assert program_digest(module("/work/main", 12)) == same  # moved source, same program
     assert program_digest(module("/work/main", 12, op="multiply")) != same
-
-
-needs_cuda_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins") is None
-    or not any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)),
-    reason="deviceless GPU compilation needs JAX's CUDA plugin")
 
 
 @needs_cuda_plugin

@@ -7,6 +7,7 @@ import struct
 import sys
 
 import pytest
+from deviceless import needs_cuda_plugin
 from jaxllm.benchmarks import xla_cubin
 
 
@@ -78,11 +79,9 @@ def test_executable_cubins_nested_streams_and_elf_ends(monkeypatch):
         xla_cubin.executable_cubins(object())
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("jax_plugins") is None
-    or importlib.util.find_spec("jax_plugins.xla_cuda13") is None
-    or importlib.util.find_spec("triton") is None,
-    reason="XLA's deviceless GPU compile needs JAX's CUDA plugin; cuobjdump comes with triton")
+@needs_cuda_plugin
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="the cuobjdump that reads the cubin comes with triton")
 def test_the_gemv_as_xla_compiles_it_takes_one_fma_a_weight():
     """kernel_sass --compiler xla: the engine's qkv GEMV at one token read from XLA's own
     executable: one FFMA a weight (fma.rn.f32 in inline PTX: XLA contracts no multiply-add)."""
@@ -92,9 +91,8 @@ def test_the_gemv_as_xla_compiles_it_takes_one_fma_a_weight():
     # as the engine compiles (conftest turns XLA's optimizations off for tiny models; the
     # GEMV then computes each x load's address in the loop: ~3.9 instructions a weight)
     jax.config.update("jax_disable_most_optimizations", False)
-    result = kernel_sass.run(kernel_sass.main.__globals__["argparse"].Namespace(
-        kernel="gemv", k=4096, n=6144, tokens=1, group_size=128, gemv_config=None,
-        sass_out=None, triton_python=sys.executable, compiler="xla", output_json=None))
+    result = kernel_sass.main(["--kernel", "gemv", "--n", "6144", "--compiler", "xla",
+                               "--triton-python", sys.executable])
     weights = result["weights_per_thread"]
     opcodes = result["main_loop"]["opcodes"]
     assert opcodes["FFMA"] >= 0.95 * weights and opcodes.get("FADD", 0) < 0.05 * weights
