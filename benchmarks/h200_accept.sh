@@ -54,7 +54,9 @@
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
 #   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
-#   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major)
+#   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major); "lf": JAXLLM_INT4_FUSION's
+#   compiled tests (g10), then the one-row steps of bf16, AWQ and AWQ fused (~3 minutes);
+#   "p1f": the fused AWQ step traced by position
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -297,6 +299,25 @@ only17() {
       $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides splits_sum=last \
       --out-dir "$DIR/p1k"
     rm -rf "$DIR"/p1k/trace
+    # JAXLLM_INT4_FUSION (the RMSNorm + GEMV-input kernel, the GEMVs summing their splits and
+    # adding the residual: 584 -> 427 launches at one row): g10 its compiled tests; lf the
+    # one-row decode steps of bf16, AWQ and AWQ fused, with the device's busy time; p1f p1s's
+    # trace fused (each kernel by position)
+    if picked lf || picked p1f; then
+      step g10_int4_fusion_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_int4_fusion.py
+    fi
+    if grep -qE "^[0-9]+ passed" "$DIR"/g10_*.log 2>/dev/null; then
+      local one="${LATENCY//$'\n'/ }"
+      one="${one/1,64,256/1} --device-time"
+      picked lf && step lf_latency_fusion 40 240 bash -c "$PY $one --output-json $DIR/lf_bf16.json; \
+        $PY $one -q awq --output-json $DIR/lf_awq.json; JAXLLM_INT4_FUSION=on $PY $one -q awq \
+        --output-json $DIR/lf_awq_fused.json"
+      picked p1f && step p1f_profile_awq_b1_fused 70 150 env JAXLLM_INT4_FUSION=on $PY \
+        -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
+        --sequence "gemv|gemm|attention|rmsnorm" --out-dir "$DIR/p1f"
+      rm -rf "$DIR"/p1f/trace
+    fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"

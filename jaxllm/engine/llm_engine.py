@@ -42,7 +42,7 @@ from jaxllm.engine.stats import EngineStats
 from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
 from jaxllm.engine.step_programs import stage_step_input
 from jaxllm.kv_pool import kv_cache_dtype
-from jaxllm.layers import fp8_kernels
+from jaxllm.layers import fp8_kernels, int4_fusion
 from jaxllm.layers.linear import int4_hopper_enabled
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
@@ -75,6 +75,7 @@ class LLMEngine(StepLauncher):
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
         int4_n_major = int4_hopper_enabled()  # and a bad JAXLLM_INT4_HOPPER
+        int4_fusion.fusion_enabled()  # or JAXLLM_INT4_FUSION
         owned = model is None  # the engine's own load: its arrays may be freed as converted
         with out_of_memory_explained("loading the weights"):
             if model is None:

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.env_settings import env_switch
+from jaxllm.layers.int4_fusion import Int4Activation, fused_gemv, fusion_enabled
 from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
@@ -128,10 +129,10 @@ class Fp8Activation:
         return self.q.shape
 
 
-def in_dtype(x: jax.Array | Fp8Activation, dtype) -> jax.Array | Fp8Activation:
-    """A layer's input in its dtype; activations already quantized (from that dtype) as they
-    are."""
-    return x if isinstance(x, Fp8Activation) else x.astype(dtype)
+def in_dtype(x, dtype):
+    """A layer's input in its dtype; activations already quantized or pre-scaled (from that
+    dtype) as they are."""
+    return x if isinstance(x, (Fp8Activation, Int4Activation)) else x.astype(dtype)
 
 
 def quantize_fp8(kernel: jax.Array) -> Fp8Weight:
@@ -240,8 +241,6 @@ def _int4_nk_matmul(x: jax.Array, kernel: Int4WeightNK, backend: str) -> jax.Arr
     """An N-major 4-bit projection where the kernels run (a GPU, or interpreted): the N-major
     GEMV for a few tokens, the Hopper kernel for more; else its weight dequantized one layer
     at a time and dotted by XLA."""
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     k, n = kernel.shape
     tokens = x.size // k
     interpret = backend == "pallas_interpret"
@@ -267,15 +266,22 @@ INT4_GEMV_MAX_TOKENS = 16
 INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
+def resolve_int4_backend(backend: str) -> str:
+    """``backend`` with "auto" resolved: "pallas" when tracing for a GPU (the default
+    backend), else "xla"."""
+    if backend not in INT4_BACKENDS:
+        raise ValueError(f"int4 backend {backend!r} must be one of {INT4_BACKENDS}")
+    if backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return backend
+
+
 def int4_kernel(x: jax.Array, kernel: Int4Weight, backend: str = "auto",
                 mesh: Mesh | None = None) -> str | None:
     """Static: which Pallas kernel :func:`linear` runs this 4-bit projection through: "gemv",
     "matmul", or None (XLA's dequantize and dot). "auto" means "pallas" when tracing for a GPU
     (the default backend), else "xla"."""
-    if backend not in INT4_BACKENDS:
-        raise ValueError(f"int4 backend {backend!r} must be one of {INT4_BACKENDS}")
-    if backend == "auto":
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    backend = resolve_int4_backend(backend)
     tokens = x.size // x.shape[-1]
     *lead, k, n = kernel.shape
     # Under tensor parallelism the weight is sharded and a pallas_call is opaque to XLA's
@@ -335,12 +341,30 @@ def _after_input(x: jax.Array, weight) -> tuple[jax.Array, object]:
     return jax.lax.optimization_barrier((x, weight))
 
 
-def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
-           mesh: Mesh | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
-    """``x @ kernel`` for a float or quantized kernel (an FP8 one may take activations already
-    quantized, :class:`Fp8Activation`). ``int4_backend`` ("auto", "xla",
+def linear(x: jax.Array | Fp8Activation | Int4Activation, kernel, *,
+           int4_backend: str = "auto", mesh: Mesh | None = None,
+           residual: jax.Array | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
+    """``x @ kernel (+ residual)`` for a float or quantized kernel (an FP8 one may take
+    activations already quantized, :class:`Fp8Activation`; a 4-bit one pre-scaled,
+    :class:`~jaxllm.layers.int4_fusion.Int4Activation`). ``int4_backend`` ("auto", "xla",
     "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
-    (:func:`int4_kernel`)."""
+    (:func:`int4_kernel`); under ``JAXLLM_INT4_FUSION`` the GEMV adds ``residual`` itself."""
+    backend = resolve_int4_backend(int4_backend)
+    interpret = backend == "pallas_interpret"
+    if isinstance(x, Int4Activation):
+        if not isinstance(kernel, Int4Weight):
+            raise TypeError(f"pre-scaled activations need a 4-bit weight, got "
+                            f"{type(kernel).__name__}")
+        return fused_gemv(x, kernel, residual, interpret)
+    if (residual is not None and isinstance(kernel, Int4Weight) and fusion_enabled()
+            and int4_kernel(x, kernel, backend, mesh) == "gemv"):
+        return fused_gemv(x, kernel, residual, interpret)
+    y = _product(x, kernel, backend, mesh)
+    return y if residual is None else y + residual
+
+
+def _product(x: jax.Array | Fp8Activation, kernel, backend: str,
+             mesh: Mesh | None) -> jax.Array:
     if isinstance(x, Fp8Activation):
         if not isinstance(kernel, Fp8Weight):
             raise TypeError(f"FP8 activations need an FP8 weight, got {type(kernel).__name__}")
@@ -348,14 +372,14 @@ def linear(x: jax.Array | Fp8Activation, kernel, *, int4_backend: str = "auto",
     if isinstance(kernel, Fp8Weight):
         return fp8_matmul(*quantize_tokens_fp8(x), kernel, x.dtype)
     if isinstance(kernel, Int4WeightNK):
-        return _int4_nk_matmul(x, kernel, int4_backend)
+        return _int4_nk_matmul(x, kernel, backend)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
         impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(
-            int4_kernel(x, kernel, int4_backend, mesh))
+            int4_kernel(x, kernel, backend, mesh))
         if impl is not None:
             return impl(*parts, group_size=kernel.group_size,
-                        interpret=int4_backend == "pallas_interpret")
+                        interpret=backend == "pallas_interpret")
         x, weight = _after_input(x, parts[1:])
         return int4_matmul_reference(x, *weight, group_size=kernel.group_size)
     if isinstance(kernel, Int8Weight):
@@ -374,7 +398,8 @@ class Linear(nn.Module):
     mesh: Mesh | None = None  # tensor parallel: the params' mesh (a 4-bit kernel's path)
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x, residual: jax.Array | None = None) -> jax.Array:
+        """``x @ kernel (+ bias) (+ residual)``."""
         shape = (x.shape[-1], self.features)
         kernel = self.get_variable("params", "kernel")
         if isinstance(kernel, (Int4Weight, Int4WeightNK, Fp8Weight)):
@@ -383,7 +408,8 @@ class Linear(nn.Module):
             assert kernel.shape == shape, (kernel.shape, shape)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
+        if not self.use_bias:
+            return linear(in_dtype(x, self.dtype), kernel, mesh=self.mesh, residual=residual)
         y = linear(in_dtype(x, self.dtype), kernel, mesh=self.mesh)
-        if self.use_bias:
-            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y
+        y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y if residual is None else y + residual

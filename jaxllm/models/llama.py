@@ -50,7 +50,14 @@ from jaxllm.layers.fp8_kernels import (
     rmsnorm_quantized,
     swiglu_product_dtype,
 )
-from jaxllm.layers.linear import Fp8Activation, in_dtype
+from jaxllm.layers.int4_fusion import Int4Activation, norm_prescale_layout, rmsnorm_prescaled
+from jaxllm.layers.linear import (
+    Fp8Activation,
+    Int4Weight,
+    in_dtype,
+    int4_kernel,
+    resolve_int4_backend,
+)
 from jaxllm.layers.mlp import swiglu_mlp
 from jaxllm.model_config import ModelConfig
 from jaxllm.models.rope import apply_rope, rope_cos_sin
@@ -66,10 +73,16 @@ class RMSNorm(nn.Module):
     # Quantize the output per token for the FP8 projection it feeds, in one kernel with the
     # norm (jaxllm.layers.fp8_kernels): an Fp8Activation instead of an array.
     quantize: bool = False
+    # Write the 4-bit GEMV's pre-scaled x (its (word rows a step, pairs)) in one kernel with
+    # the norm (jaxllm.layers.int4_fusion): an Int4Activation instead of an array.
+    prescale: tuple[int, bool] | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | Fp8Activation:
+    def __call__(self, x: jax.Array) -> jax.Array | Fp8Activation | Int4Activation:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        if self.prescale is not None:
+            return rmsnorm_prescaled(x.astype(self.dtype), scale, self.eps, self.prescale,
+                                     interpret=resolve_int4_backend("auto") == "pallas_interpret")
         if self.quantize:
             return rmsnorm_quantized(x.astype(self.dtype), scale, self.eps)
         xf = x.astype(jnp.float32)
@@ -84,7 +97,7 @@ class Attention(nn.Module):
     mesh: Mesh | None
 
     @nn.compact
-    def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
+    def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata, residual):
         cfg = self.config
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, self.mesh, name=name)
         kv_heads = cfg.num_key_value_heads
@@ -100,7 +113,7 @@ class Attention(nn.Module):
         out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
         if not self.is_initializing():  # FP8: quantized per token in a kernel where picked
             out = quantized_input(out, self.variables["params"]["o_proj"]["kernel"], self.mesh)
-        return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
+        return dense(cfg.hidden_size, False, "o_proj")(out, residual=residual), kv_pool
 
 
 class MLP(nn.Module):
@@ -109,7 +122,7 @@ class MLP(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x):  # [T, H] -> [T, H]
+    def __call__(self, x, residual=None):  # [T, H] -> [T, H] (+ residual)
         f, x = self.config.intermediate_size, in_dtype(x, self.dtype)
         if self.is_initializing():  # the projections' params: Linear's
             Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x)
@@ -118,7 +131,8 @@ class MLP(nn.Module):
         params = self.variables["params"]
         gate_up, down = params["gate_up_proj"]["kernel"], params["down_proj"]["kernel"]
         return swiglu_mlp(x, gate_up, down, mesh=self.mesh,
-                          product_dtype=swiglu_product_dtype(gate_up, down, self.mesh))
+                          product_dtype=swiglu_product_dtype(gate_up, down, self.mesh),
+                          residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -135,15 +149,20 @@ class DecoderLayer(nn.Module):
 
         def norm(name: str, module: str, projection: str):  # RMSNorm before the projection
             kernel = params.get(module, {}).get(projection, {}).get("kernel")
+            prescale = None
+            if isinstance(kernel, Int4Weight):
+                gemv = int4_kernel(hidden, kernel, mesh=self.mesh) == "gemv"
+                prescale = norm_prescale_layout(hidden, kernel, gemv)
             return RMSNorm(eps, self.dtype, norm_quantizes(hidden, kernel, self.mesh),
-                           name=name)
+                           prescale, name=name)
 
+        # each block's output joins the residual stream in its last projection (linear's
+        # residual: inside the 4-bit GEMV under JAXLLM_INT4_FUSION)
         attn_in = norm("input_layernorm", "attn", "qkv_proj")(hidden)
         attention = Attention(self.config, self.dtype, self.backend, self.mesh, name="attn")
-        attn_out, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch)
-        hidden = hidden + attn_out
+        hidden, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch, residual=hidden)
         mlp_in = norm("post_attention_layernorm", "mlp", "gate_up_proj")(hidden)
-        hidden = hidden + MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in)
+        hidden = MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in, residual=hidden)
         return (hidden, kv_pool, layer + 1), None
 
 

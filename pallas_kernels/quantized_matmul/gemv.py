@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import column_loads, denormal_kernel, fma, prescaled_inputs
-from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
+from .gemv_splits import SPLITS_SUMS, adds_residual, auto_splits, split_outputs, write_rows
 from .reference import PER_WORD, is_pow2
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -219,7 +219,7 @@ def gemv_unsupported(m: int, k: int, n: int, group_size: int,
 
 def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_words: int,
             group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype,
-            out_n: int | None, mode: str, interpret: bool):
+            out_n: int | None, mode: str, interpret: bool, residual_ref=None):
     # x_ref [M', K/8, 8] (all of x; M' = M, or padded to >= 16 rows for the dot);
     # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; out_refs:
     # gemv_splits.split_outputs' for ``mode`` (the dot: "one" or "xla", [M', block_n] blocks)
@@ -270,7 +270,27 @@ def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_w
         out_refs[0][...] = acc[0].astype(out_refs[0].dtype)
     else:
         ys = [a if reduce else a.sum(axis=0) for a in acc]
-        write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
+        write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret,
+                   residual_ref=residual_ref)
+
+
+def _checked_config(m: int, k: int, words: int, n: int, group_size: int,
+                    config: Int4GemvConfig | None) -> Int4GemvConfig:
+    config = config or gemv_config(m, k, n, group_size)
+    reason = gemv_unsupported(m, k, n, group_size, config)
+    if reason is not None or words * PER_WORD != k:
+        raise ValueError(reason or f"x has K={k}, qweight {words * PER_WORD} rows")
+    return config
+
+
+def prescale_layout(config: Int4GemvConfig, k: int, group_size: int) -> tuple[int, bool] | None:
+    """(word rows a step, pairs) of the pre-scaled x the config's kernel reads
+    (:func:`~.gemv_denormal.prescaled_inputs`), or None where it reads x as it is (the dot,
+    the 2^23 loop, ``x_in_kernel``)."""
+    if config.dot or not config.denormal or config.x_in_kernel:
+        return None
+    step_words = config.step_words(k, group_size)
+    return step_words, config.byte_permute and step_words % 2 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config"))
@@ -283,60 +303,111 @@ def int4_gemv(
     group_size: int,
     interpret: bool = False,
     config: Int4GemvConfig | None = None,
+    residual: jax.Array | None = None,  # [.., N] in x's dtype
 ) -> jax.Array:  # [.., N] in x's dtype
-    """Same contract as :func:`int4_matmul_reference`; raises ValueError for a shape
-    :func:`gemv_unsupported` names."""
+    """Same contract as :func:`int4_matmul_reference`, plus ``residual`` (the result's
+    addend: in f32 before the one rounding where the kernel sums its splits itself,
+    gemv_splits.adds_residual; else after the cast, as ``y + residual``); raises ValueError
+    for a shape :func:`gemv_unsupported` names."""
     *lead, k = x.shape
     words, n = qweight.shape
     x2 = x.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
-    config = config or gemv_config(m, k, n, group_size)
-    reason = gemv_unsupported(m, k, n, group_size, config)
-    if reason is not None or words * PER_WORD != k:
-        raise ValueError(reason or f"x has K={k}, qweight {words * PER_WORD} rows")
+    config = _checked_config(m, k, words, n, group_size, config)
     # x is read whole by every program: [M, K/8, 8] as it is (a bitcast); the dot pads it to
     # the rows its tile loads take (a power of two, >= 16)
     rows = max(DOT_ROWS, _next_pow2(m)) if config.dot else m
+    xp = jnp.pad(x2, ((0, rows - m), (0, 0))) if rows > m else x2
+    xp = xp.reshape(rows, words, PER_WORD)  # [M', K/8, 8]
+    step_words = config.step_words(k, group_size)
+    if config.dot or not config.denormal:
+        reduce = config.reduce_every_step(_next_pow2(rows), step_words)
+        kernel = functools.partial(_kernel, dot=config.dot, dtype=x.dtype, reduce=reduce)
+        x_in = [xp]
+    else:  # x scaled per nibble position (exact powers of two) and summed per step
+        pairs = config.byte_permute and step_words % 2 == 0
+        kernel = _denormal(config, pairs, prescaled=not config.x_in_kernel)
+        x_in = [xp] if config.x_in_kernel else prescaled_inputs(xp, step_words, pairs, interpret)
+    res = None if residual is None else residual.reshape(m, n)
+    y = _launch(kernel, x_in, qweight, scales, zeros, rows=rows, m=m, dtype=x.dtype,
+                group_size=group_size, config=config, interpret=interpret, residual=res)
+    return y.reshape(*lead, n)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("dtype", "pairs", "group_size", "interpret", "config"))
+def int4_gemv_prescaled(
+    xs: jax.Array,  # f32[M, K/8, 8]: x scaled per nibble position (prescaled_inputs)
+    xsum: jax.Array,  # f32[M, K/8/step_words]: each step's x sum times 2^-X_EXP
+    qweight: jax.Array,  # i32[K/8, N]
+    scales: jax.Array,  # [G, N]
+    zeros: jax.Array,  # u8[G, N]
+    *,
+    dtype,  # x's dtype: the result's
+    pairs: bool,
+    group_size: int,
+    interpret: bool = False,
+    config: Int4GemvConfig | None = None,
+    residual: jax.Array | None = None,  # [M, N] in dtype
+) -> jax.Array:  # [M, N] in dtype
+    """:func:`int4_gemv` of the x whose pre-scaled inputs ``(xs, xsum)`` another kernel wrote
+    (gemv_prescale.rmsnorm_prescale: the RMSNorm before the projection); a ValueError where
+    the config's kernel reads another layout (:func:`prescale_layout`)."""
+    m, words, _ = xs.shape
+    k, n = words * PER_WORD, qweight.shape[1]
+    config = _checked_config(m, k, words, n, group_size, config)
+    layout = prescale_layout(config, k, group_size)
+    given = (words // xsum.shape[1], pairs)
+    if layout != given or xsum.shape != (m, words // layout[0]):
+        raise ValueError(f"pre-scaled x in steps of {given[0]} word rows (pairs={pairs}), "
+                         f"xsum {xsum.shape}: the GEMV's config {config} reads {layout}")
+    return _launch(_denormal(config, pairs, prescaled=True), [xs, xsum], qweight, scales,
+                   zeros, rows=m, m=m, dtype=dtype, group_size=group_size, config=config,
+                   interpret=interpret, residual=residual)
+
+
+def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
+    return functools.partial(denormal_kernel, pairs=pairs, prefetch=config.prefetch,
+                             loads_first=config.loads_first, prescaled=prescaled)
+
+
+def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dtype,
+            group_size: int, config: Int4GemvConfig, interpret: bool,
+            residual) -> jax.Array:  # [M, N] in dtype
+    """The GEMV's pallas_call over ``x_in`` (whole arrays, read by every program) and the
+    weight's column blocks and splits, and its result (gemv_splits.split_outputs)."""
+    words, n = qweight.shape
+    k = words * PER_WORD
     step_words = config.step_words(k, group_size)
     splits = config.splits(k, n, group_size)
     split_words = words // splits
     col_blocks = pl.cdiv(n, config.block_n)
-    xp = jnp.pad(x2, ((0, rows - m), (0, 0))) if rows > m else x2
-    xp = xp.reshape(rows, words, PER_WORD)  # [M', K/8, 8]
     groups = scales.shape[0]
     # One split stores x's dtype into y [M, N] (masked past N; the dot: its padded tile);
     # several add their partials as splits_sum says (gemv_splits.py).
     mode = "one" if splits == 1 else "xla" if config.dot else config.splits_sum
     exact = mode in ("one", "last") and not config.dot
     outs = split_outputs(mode, splits=splits, rows=rows, n=n, block_n=config.block_n,
-                         dtype=x.dtype, exact=exact)
-    common = dict(n=n, steps=split_words // step_words, step_words=step_words,
-                  group_words=group_size // PER_WORD, evict_first=config.evict_first,
-                  out_n=n if exact and n % config.block_n else None, mode=mode,
-                  interpret=interpret)
-    x_in = [xp]
-    if config.dot or not config.denormal:
-        reduce = config.reduce_every_step(_next_pow2(rows), step_words)
-        kernel = functools.partial(_kernel, dot=config.dot, dtype=x.dtype, reduce=reduce,
-                                   **common)
-    else:  # x scaled per nibble position (exact powers of two) and summed per step in-kernel
-        pairs = config.byte_permute and step_words % 2 == 0
-        kernel = functools.partial(denormal_kernel, pairs=pairs, prefetch=config.prefetch,
-                                   loads_first=config.loads_first,
-                                   prescaled=not config.x_in_kernel, **common)
-        if not config.x_in_kernel:
-            x_in = prescaled_inputs(xp, step_words, pairs, interpret)
+                         dtype=dtype, exact=exact)
+    # the residual joins in the kernel where it stores the result itself (not the dot's tile)
+    fused = residual is not None and adds_residual(mode) and not config.dot
+    extra = [residual] if fused else []
+    kernel = functools.partial(
+        kernel, n=n, steps=split_words // step_words, step_words=step_words,
+        group_words=group_size // PER_WORD, evict_first=config.evict_first,
+        out_n=n if exact and n % config.block_n else None, mode=mode, interpret=interpret)
     in_specs = [
         *[pl.BlockSpec(a.shape, lambda c, s, d=a.ndim: (0,) * d) for a in x_in],
         pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
+        *[pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c)) for _ in extra],
         *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
     ]
-    args = [*x_in, qweight, scales, zeros, *[a for a, _ in outs.zeros]]
-    aliases = {len(x_in) + 3 + j: i for j, (_, i) in enumerate(outs.zeros)}
+    args = [*x_in, qweight, scales, zeros, *extra, *[a for a, _ in outs.zeros]]
+    aliases = {len(x_in) + 3 + len(extra) + j: i for j, (_, i) in enumerate(outs.zeros)}
     result = pl.pallas_call(
-        _split_refs(kernel, len(x_in), len(outs.zeros)),
+        _split_refs(kernel, len(x_in), len(extra), len(outs.zeros)),
         grid=(col_blocks, splits),
         in_specs=in_specs,
         out_specs=outs.specs,
@@ -347,15 +418,17 @@ def int4_gemv(
         interpret=interpret,
         name="int4_gemv",
     )(*args)
-    return outs.result(result, m, n, x.dtype).reshape(*lead, n)
+    return outs.result(result, m, n, dtype, None if fused else residual)
 
 
-def _split_refs(kernel, n_x: int, n_zeros: int):
-    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs (the
-    zeroed inputs aliased to outputs are dropped: the kernel writes their outputs)."""
+def _split_refs(kernel, n_x: int, n_residual: int, n_zeros: int):
+    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs[, residual_ref=])`` over pallas_call's
+    flat refs (the zeroed inputs aliased to outputs are dropped: the kernel writes their
+    outputs)."""
 
     def flat(*refs):
         x_refs, (w_ref, s_ref, z_ref) = refs[:n_x], refs[n_x:n_x + 3]
-        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_zeros:])
+        extra = {"residual_ref": refs[n_x + 3]} if n_residual else {}
+        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_residual + n_zeros:], **extra)
 
     return flat

@@ -161,12 +161,13 @@ def _products(words: list, pairs: bool, interpret: bool, loads_first: bool):
 def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
                     step_words: int, group_words: int, evict_first: bool, interpret: bool,
                     pairs: bool, prefetch: bool, out_n: int | None, mode: str,
-                    prescaled: bool, loads_first: bool = False):
+                    prescaled: bool, loads_first: bool = False, residual_ref=None):
     # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
     # (row, nibble), and scales it in registers; the threads sum each step's together), or
     # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
     # :func:`prescaled_inputs`; w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
-    # out_refs: gemv_splits.split_outputs' for ``mode``
+    # out_refs: gemv_splits.split_outputs' for ``mode``; residual_ref [M, block_n] (the
+    # result's addend, gemv_splits.write_rows) or None
     x_ref = x_refs[0]
     rows = x_ref.shape[0]
     block_n = w_ref.shape[1]
@@ -214,7 +215,15 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
     init = (zeros, zeros, load_words(0) if prefetch else ())
     acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
     ys = [(a - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
-    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
+    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret,
+               residual_ref=residual_ref)
+
+
+def nibble_units(pairs: bool, interpret: bool) -> np.ndarray:
+    """f32[2, 8]: the power of two x[m, 8r + j] is scaled by, for r's parity and nibble j
+    (:func:`x_unit`; the odd row differs only with ``pairs``)."""
+    units = [[x_unit(r, j, pairs, interpret) for j in range(PER_WORD)] for r in range(2)]
+    return np.ldexp(np.float32(1), np.asarray(units, np.int32)).astype(np.float32)
 
 
 def prescaled_inputs(x: jax.Array, step_words: int, pairs: bool,
@@ -223,8 +232,7 @@ def prescaled_inputs(x: jax.Array, step_words: int, pairs: bool,
     position and its per-step sums times 2^-X_EXP, by XLA before the call (one small fusion;
     ``Int4GemvConfig.x_in_kernel`` False)."""
     rows, words, _ = x.shape
-    units = [[x_unit(r, j, pairs, interpret) for j in range(PER_WORD)] for r in range(2)]
-    unit = np.ldexp(np.float32(1), np.asarray(units, np.int32)).astype(np.float32)  # [2, 8]
+    unit = nibble_units(pairs, interpret)
     x32 = x.astype(jnp.float32)
     # The power of two inside the sum (the same value while no term falls below 2^-62): XLA
     # then writes both inputs from one fusion instead of following the sums with a multiply.

@@ -1,0 +1,117 @@
+"""An RMSNorm and the 4-bit GEMV's pre-scaled x in one kernel (Pallas, Triton backend).
+
+Before a 4-bit projection of a few tokens XLA runs two kernels a norm: the row's sum of
+squares, then the normalization, which also writes the GEMV's inputs
+(gemv_denormal.prescaled_inputs: x scaled per nibble position, and each step's sum). In the
+Llama-3-8B AWQ decode step at one row that is 4 of a layer's 18 launches
+(``benchmarks/step_kernels.py``). One program takes one token's row whole (H values in
+registers), laid out in the GEMV's steps::
+
+    grid = (T,)
+    program t:  x = row t in float32, [K/8/step_words, 8 step_words]
+                h = round_dtype(round_dtype(x rsqrt(mean(x^2) + eps)) weight)   RMSNorm's
+                xs[t] = h unit             unit: prescaled_inputs' power of two per column
+                xsum[t, s] = sum over step s of h 2^-X_EXP
+
+:func:`rmsnorm_prescale` has the signature of :func:`rmsnorm_prescale_reference`; the GEMV
+that reads its outputs is :func:`~.gemv.int4_gemv_prescaled`. The sums' order differs from
+XLA's, so ``xsum`` and the statistic may differ from the reference by float32 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .gemv_denormal import X_EXP, nibble_units, prescaled_inputs
+from .reference import PER_WORD
+
+NUM_WARPS = 4
+MAX_HIDDEN = 16384  # a row in registers: 128 float32 a thread at 4 warps
+
+
+def unsupported(x_shape: tuple[int, ...], step_words: int) -> str | None:
+    """Why the kernel cannot take rows of this shape for a GEMV reading steps of
+    ``step_words`` word rows (None: it can)."""
+    if len(x_shape) != 2:
+        return f"x {x_shape} must be [T, H]"
+    hidden = x_shape[1]
+    if hidden & (hidden - 1) or not 16 <= hidden <= MAX_HIDDEN:
+        return f"hidden size {hidden} must be a power of two in [16, {MAX_HIDDEN}] (one block)"
+    if hidden % (PER_WORD * step_words):
+        return f"hidden size {hidden} is not a whole number of steps of {step_words} words"
+    return None
+
+
+def _units(step_words: int, pairs: bool, interpret: bool) -> np.ndarray:
+    """f32[8 step_words]: the power of two each column of a step is scaled by (word row r's
+    nibble j at column 8 r + j; with ``pairs`` the odd rows' top nibbles differ)."""
+    rows = nibble_units(pairs, interpret)[:2 if pairs else 1]  # [2 or 1, 8]
+    return np.tile(rows, (step_words // len(rows), 1)).reshape(-1)
+
+
+def _kernel(x_ref, weight_ref, unit_ref, xs_ref, xsum_ref, *, eps: float, dtype):
+    x = x_ref[...].astype(jnp.float32)  # [steps, 8 step_words]
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x) + eps)
+    h = (weight_ref[...] * normed.astype(dtype)).astype(jnp.float32)
+    xs_ref[...] = h * unit_ref[...][None, :]
+    xsum_ref[...] = (h * 2.0**-X_EXP).sum(axis=1)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "step_words", "pairs", "interpret"))
+def rmsnorm_prescale(
+    x: jax.Array,  # [T, H] the residual stream
+    weight: jax.Array,  # [H] the norm's scale, in the model dtype
+    eps: float,
+    *,
+    step_words: int,
+    pairs: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (xs f32[T, H/8, 8], xsum f32[T, H/8/step_words])
+    why = unsupported(x.shape, step_words)
+    if why is not None:
+        raise ValueError(why)
+    tokens, hidden = x.shape
+    steps, width = hidden // (PER_WORD * step_words), PER_WORD * step_words
+    unit = jnp.asarray(_units(step_words, pairs, interpret))
+    xs, xsum = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, dtype=x.dtype),
+        grid=(tokens,),
+        in_specs=[pl.BlockSpec((None, steps, width), lambda t: (t, 0, 0)),
+                  pl.BlockSpec((steps, width), lambda t: (0, 0)),
+                  pl.BlockSpec((width,), lambda t: (0,))],
+        out_specs=[pl.BlockSpec((None, steps, width), lambda t: (t, 0, 0)),
+                   pl.BlockSpec((None, steps), lambda t: (t, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, steps, width), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, steps), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="rmsnorm_prescale",
+    )(x.reshape(tokens, steps, width), weight.astype(x.dtype).reshape(steps, width), unit)
+    return xs.reshape(tokens, hidden // PER_WORD, PER_WORD), xsum
+
+
+def rmsnorm_prescale_reference(
+    x: jax.Array,  # [T, H]
+    weight: jax.Array,  # [H]
+    eps: float,
+    *,
+    step_words: int,
+    pairs: bool,
+    interpret: bool = False,  # the units of the GEMV's interpret mode (x_unit)
+) -> tuple[jax.Array, jax.Array]:  # (xs f32[T, H/8, 8], xsum f32[T, H/8/step_words])
+    """RMSNorm as ``models.llama.RMSNorm`` computes it (float32 statistics, the normalized row
+    rounded to x's dtype, then times the weight in that dtype), then the GEMV's inputs as XLA
+    writes them before the call (:func:`~.gemv_denormal.prescaled_inputs`)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    h = weight.astype(x.dtype) * xf.astype(x.dtype)
+    tokens, hidden = x.shape
+    xs, xsum = prescaled_inputs(h.reshape(tokens, hidden // PER_WORD, PER_WORD), step_words,
+                                pairs, interpret)
+    return xs, xsum

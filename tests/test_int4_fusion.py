@@ -1,0 +1,231 @@
+"""``JAXLLM_INT4_FUSION``: the RMSNorm + GEMV-input kernel (gemv_prescale.py), the GEMV over
+pre-scaled x, its residual, and the model's decode step through them, in the interpreter
+against the unfused path."""
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxllm.pallas_kernels.quantized_matmul.gemv import (
+    Int4GemvConfig,
+    int4_gemv,
+    int4_gemv_prescaled,
+    prescale_layout,
+)
+from jaxllm.pallas_kernels.quantized_matmul.gemv_denormal import prescaled_inputs
+from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
+    rmsnorm_prescale,
+    rmsnorm_prescale_reference,
+    unsupported,
+)
+from jaxllm.pallas_kernels.quantized_matmul.reference import int4_matmul_reference
+
+import jaxllm
+from jaxllm.layers import int4_fusion
+from jaxllm.layers.int4_fusion import Int4Activation, fused_config, norm_prescale_layout
+from jaxllm.layers.linear import Int4Weight, linear
+from jaxllm.model_config import ModelConfig
+from jaxllm.models import llama
+
+linear_module = importlib.import_module("jaxllm.layers.linear")  # the package exports the
+# function under the module's name
+K, N, GROUP = 512, 384, 128
+BF16_ULP = 2.0**-7  # relative: one rounding of the normalized row either way
+
+
+def weight(k: int = K, n: int = N, seed: int = 0) -> Int4Weight:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (k, n)).astype(np.uint32)
+    words = sum(q[j::8] << (4 * j) for j in range(8)).astype(np.uint32).view(np.int32)
+    scales = rng.uniform(0.002, 0.02, (k // GROUP, n)).astype(np.float32)
+    zeros = rng.integers(0, 16, (k // GROUP, n)).astype(np.uint8)
+    return Int4Weight(jnp.asarray(words), jnp.asarray(scales, jnp.bfloat16), jnp.asarray(zeros))
+
+
+def rows(shape, seed: int = 1, dtype=jnp.bfloat16) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def f32(a) -> np.ndarray:
+    return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+@pytest.mark.parametrize("tokens,hidden,step_words,pairs", [
+    (1, 512, 16, True), (3, 256, 8, True), (2, 1024, 16, False), (1, 128, 1, False)])
+def test_rmsnorm_prescale_is_the_norm_then_the_gemv_inputs(tokens, hidden, step_words, pairs):
+    x = rows((tokens, hidden)) * 3.0
+    w = (1.0 + 0.1 * rows((hidden,), seed=2, dtype=jnp.float32)).astype(jnp.bfloat16)
+    got = rmsnorm_prescale(x, w, 1e-5, step_words=step_words, pairs=pairs, interpret=True)
+    want = rmsnorm_prescale_reference(x, w, 1e-5, step_words=step_words, pairs=pairs,
+                                      interpret=True)
+    assert got[0].shape == (tokens, hidden // 8, 8)
+    assert got[1].shape == (tokens, hidden // 8 // step_words)
+    # the statistic's sum runs in another order, and XLA may keep the normalized row in
+    # float32 (excess precision): a value may round the other way
+    np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=BF16_ULP, atol=0)
+    # each step's sum: off by at most those roundings (interpreted, xs is h 2^-64 throughout)
+    bound = BF16_ULP * np.abs(f32(want[0])).reshape(tokens, -1, 8 * step_words).sum(-1)
+    assert np.all(np.abs(f32(got[1]) - f32(want[1])) <= bound * 1.01)
+
+
+def test_rmsnorm_prescale_refuses_rows_it_cannot_hold():
+    assert unsupported((1, 576), 16) is not None  # SmolLM2's width: not a power of two
+    assert "steps" in unsupported((1, 64), 16)
+    assert unsupported((2, 4096), 16) is None
+    with pytest.raises(ValueError, match="power of two"):
+        rmsnorm_prescale(rows((1, 576)), rows((576,)), 1e-5, step_words=16, pairs=True)
+
+
+CONFIGS = {
+    "one split": Int4GemvConfig(block_n=128, num_warps=2, num_splits=1),
+    "xla sums": Int4GemvConfig(block_n=128, num_warps=2, num_splits=2),
+    "last split sums": Int4GemvConfig(block_n=128, num_warps=2, num_splits=2, splits_sum="last"),
+    "partial column block": Int4GemvConfig(block_n=256, num_warps=2, num_splits=2,
+                                           splits_sum="last"),
+    "2^23 loop": Int4GemvConfig(block_n=128, num_splits=1, denormal=False),
+    "dot": Int4GemvConfig(dot=True),
+}
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_the_gemv_adds_the_residual(name, tokens):
+    w, config = weight(), CONFIGS[name]
+    x, residual = rows((tokens, K)), rows((tokens, N), seed=3)
+    product = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=GROUP)
+    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
+                    config=config, residual=residual)
+    alone = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
+                      config=config)
+    if name in ("xla sums", "dot"):  # XLA adds after the cast: the unfused roundings
+        np.testing.assert_array_equal(f32(got), f32(alone + residual))
+    # in the kernel: one rounding of product + residual instead of two
+    want = f32(product) + f32(residual)
+    np.testing.assert_allclose(f32(got), want, rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
+
+
+@pytest.mark.parametrize("name", ["one split", "last split sums", "xla sums"])
+def test_the_gemv_over_prescaled_x_is_the_gemv(name):
+    w, config = weight(), CONFIGS[name]
+    x, residual = rows((2, K)), rows((2, N), seed=4)
+    step_words, pairs = prescale_layout(config, K, GROUP)
+    xs, xsum = prescaled_inputs(x.reshape(2, K // 8, 8), step_words, pairs, True)
+    got = int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
+                              pairs=pairs, group_size=GROUP, interpret=True, config=config,
+                              residual=residual)
+    want = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
+                     config=config, residual=residual)
+    np.testing.assert_array_equal(f32(got), f32(want))
+    with pytest.raises(ValueError, match="pre-scaled x in steps of 16"):
+        int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
+                            pairs=not pairs, group_size=GROUP, interpret=True, config=config)
+    assert prescale_layout(CONFIGS["dot"], K, GROUP) is None  # reads x as it is
+    assert prescale_layout(Int4GemvConfig(x_in_kernel=True), K, GROUP) is None
+
+
+def test_linear_takes_the_fused_path_only_when_switched_on(monkeypatch):
+    w = weight()
+    x, residual = rows((1, K)), rows((1, N), seed=5)
+    unfused = linear(x, w, int4_backend="pallas_interpret") + residual
+    assert not int4_fusion.fusion_enabled()
+    np.testing.assert_array_equal(
+        f32(linear(x, w, int4_backend="pallas_interpret", residual=residual)), f32(unfused))
+    monkeypatch.setenv("JAXLLM_INT4_FUSION", "on")
+    fused = linear(x, w, int4_backend="pallas_interpret", residual=residual)
+    np.testing.assert_allclose(f32(fused), f32(unfused), rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
+    # on the CPU's XLA path the residual is XLA's add whatever the switch
+    np.testing.assert_array_equal(f32(linear(x, w, residual=residual)),
+                                  f32(linear(x, w) + residual))
+    assert fused_config(1, K, N, GROUP).splits_sum == "last"
+    assert fused_config(8, K, N, GROUP).dot  # the dot's split sums stay XLA's
+    monkeypatch.setenv("JAXLLM_INT4_FUSION", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_INT4_FUSION='yes' must be 'off' or 'on'"):
+        int4_fusion.fusion_enabled()
+
+
+def test_prescaled_activations_go_only_to_a_4bit_gemv():
+    w = weight()
+    layout = norm_prescale_layout(rows((1, K)), w, uses_gemv=True, enabled=True)
+    assert layout == prescale_layout(fused_config(1, K, N, GROUP), K, GROUP)
+    assert norm_prescale_layout(rows((1, K)), w, uses_gemv=False, enabled=True) is None
+    assert norm_prescale_layout(rows((1, K)), w, uses_gemv=True, enabled=False) is None
+    x = int4_fusion.rmsnorm_prescaled(rows((1, K)), jnp.ones((K,), jnp.bfloat16), 1e-5,
+                                      layout, interpret=True)
+    assert isinstance(x, Int4Activation) and x.shape == (1, K)
+    with pytest.raises(TypeError, match="pre-scaled activations need a 4-bit weight"):
+        linear(x, jnp.ones((K, N), jnp.bfloat16), int4_backend="pallas_interpret")
+
+
+CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
+
+
+def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
+    """8 greedy tokens through the 4-bit kernels (interpreted), and the fused kernels' calls
+    as the forward was traced (prefill, then a decode step of one row)."""
+    interpreted = lambda backend: "pallas_interpret" if backend == "auto" else backend
+    monkeypatch.setattr(linear_module, "resolve_int4_backend", interpreted)
+    monkeypatch.setattr(llama, "resolve_int4_backend", interpreted)
+    monkeypatch.setenv("JAXLLM_INT4_FUSION", fusion)
+    calls = {"norm": [], "gemv": []}
+
+    def spy(name, fn):
+        def counted(*args, **kwargs):
+            calls[name].append(args[0].shape)
+            return fn(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(int4_fusion, "rmsnorm_prescale",
+                        spy("norm", int4_fusion.rmsnorm_prescale))
+    monkeypatch.setattr(linear_module, "fused_gemv", spy("gemv", linear_module.fused_gemv))
+    jax.clear_caches()  # the switch is read as the forward is traced
+    ids = jnp.asarray([[3, 17, 42, 7, 99]], jnp.int32)
+    out = jaxllm.generate(params, ids, jnp.asarray([5]), jax.random.key(0), config=CFG,
+                          max_new_tokens=8, block_size=8)
+    jax.clear_caches()
+    monkeypatch.undo()
+    return np.asarray(out.tokens), calls
+
+
+def test_the_decode_step_through_the_fused_kernels_keeps_the_greedy_tokens(monkeypatch):
+    model = jaxllm.load_model(load_format="dummy", config=CFG, quantization="awq",
+                              dtype="bfloat16").with_layer_layout(True)
+    assert model.quantization.group_size == 128
+    unfused, none = greedy(model.params, monkeypatch, "off")
+    assert none == {"norm": [], "gemv": []}
+    fused, calls = greedy(model.params, monkeypatch, "on")
+    np.testing.assert_array_equal(fused, unfused)
+    layers = CFG.num_hidden_layers
+    # the decode step (one row): both norms a layer write pre-scaled x; all four projections
+    # take the fused GEMV; the 5-token prefill's dot GEMVs get the residual from it too
+    assert calls["norm"].count((1, CFG.hidden_size)) == 2 * layers
+    assert sum(shape[0] == 1 for shape in calls["gemv"]) == 4 * layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)])
+def test_the_fused_kernels_compiled_equal_the_unfused_path(k, n):
+    """Compiled: the norm kernel's pre-scaled x into the GEMV on the fusion's config (the
+    table's, splits summed in the kernel) adding a residual, at the 8B projections, against
+    XLA's norm, the reference product and the add."""
+    w = weight(k, n, seed=k + n)
+    x, residual = rows((1, k)) * 2.0, rows((1, n), seed=6)
+    norm_w = (1.0 + 0.1 * rows((k,), seed=7, dtype=jnp.float32)).astype(jnp.bfloat16)
+    config = fused_config(1, k, n, GROUP)
+    layout = prescale_layout(config, k, GROUP)
+    xs, xsum = jax.jit(lambda x: rmsnorm_prescale(x, norm_w, 1e-5, step_words=layout[0],
+                                                  pairs=layout[1]))(x)
+    got = int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
+                              pairs=layout[1], group_size=GROUP, config=config,
+                              residual=residual)
+    xf = x.astype(jnp.float32)
+    h = norm_w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+    want = f32(int4_matmul_reference(h, w.qweight, w.scales, w.zeros, group_size=GROUP))
+    want = want + f32(residual)
+    # a normalized value may round the other way: each moves the product by <= 2^-7 |h w|
+    bound = BF16_ULP * np.abs(f32(h)) @ np.abs(f32(w.dequantize()))
+    assert np.all(np.abs(f32(got) - want) <= bound + 2 * BF16_ULP * np.abs(want) + 1e-3)
