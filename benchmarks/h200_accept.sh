@@ -299,8 +299,8 @@ only17() {
       $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides splits_sum=last \
       --out-dir "$DIR/p1k"
     rm -rf "$DIR"/p1k/trace
-    # JAXLLM_INT4_FUSION (the RMSNorm + GEMV-input kernel, the GEMVs summing their splits and
-    # adding the residual: 584 -> 427 launches at one row): g10 its compiled tests; lf the
+    # JAXLLM_INT4_FUSION (the residual add + RMSNorm + GEMV-input kernel: 584 -> 520 launches
+    # at one row): g10 its compiled tests; lf the
     # one-row decode steps of bf16, AWQ and AWQ fused, with the device's busy time; p1f p1s's
     # trace fused (each kernel by position)
     if picked lf || picked p1f; then

@@ -1,6 +1,6 @@
-"""``JAXLLM_INT4_FUSION``: the RMSNorm + GEMV-input kernel (gemv_prescale.py), the GEMV over
-pre-scaled x, its residual, and the model's decode step through them, in the interpreter
-against the unfused path."""
+"""``JAXLLM_INT4_FUSION``: the (add +) RMSNorm + GEMV-input kernel (gemv_prescale.py), the GEMV
+over pre-scaled x, and the model's decode step through them, in the interpreter against the
+unfused path."""
 
 import importlib
 
@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 from jaxllm.pallas_kernels.quantized_matmul.gemv import (
     Int4GemvConfig,
+    gemv_config,
     int4_gemv,
     int4_gemv_prescaled,
     prescale_layout,
 )
 from jaxllm.pallas_kernels.quantized_matmul.gemv_denormal import prescaled_inputs
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
+    add_rmsnorm_prescale,
+    add_rmsnorm_prescale_reference,
     rmsnorm_prescale,
     rmsnorm_prescale_reference,
     unsupported,
@@ -24,7 +27,7 @@ from jaxllm.pallas_kernels.quantized_matmul.reference import int4_matmul_referen
 
 import jaxllm
 from jaxllm.layers import int4_fusion
-from jaxllm.layers.int4_fusion import Int4Activation, fused_config, norm_prescale_layout
+from jaxllm.layers.int4_fusion import Int4Activation, norm_prescale_layout
 from jaxllm.layers.linear import Int4Weight, linear
 from jaxllm.model_config import ModelConfig
 from jaxllm.models import llama
@@ -52,22 +55,33 @@ def f32(a) -> np.ndarray:
     return np.asarray(jnp.asarray(a, jnp.float32))
 
 
+def assert_prescaled_close(got, want, tokens: int, step_words: int):
+    """The norm kernel's (xs, xsum) against the reference's: the statistic's sum runs in
+    another order, and XLA may keep the normalized row in float32 (excess precision), so a
+    value may round the other way (one bf16 step), and each step's sum by as much."""
+    np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=BF16_ULP, atol=0)
+    # (interpreted, xs is h 2^-64 throughout)
+    bound = BF16_ULP * np.abs(f32(want[0])).reshape(tokens, -1, 8 * step_words).sum(-1)
+    assert np.all(np.abs(f32(got[1]) - f32(want[1])) <= bound * 1.01)
+
+
 @pytest.mark.parametrize("tokens,hidden,step_words,pairs", [
     (1, 512, 16, True), (3, 256, 8, True), (2, 1024, 16, False), (1, 128, 1, False)])
 def test_rmsnorm_prescale_is_the_norm_then_the_gemv_inputs(tokens, hidden, step_words, pairs):
     x = rows((tokens, hidden)) * 3.0
+    delta = rows((tokens, hidden), seed=3)
     w = (1.0 + 0.1 * rows((hidden,), seed=2, dtype=jnp.float32)).astype(jnp.bfloat16)
-    got = rmsnorm_prescale(x, w, 1e-5, step_words=step_words, pairs=pairs, interpret=True)
-    want = rmsnorm_prescale_reference(x, w, 1e-5, step_words=step_words, pairs=pairs,
-                                      interpret=True)
+    common = dict(step_words=step_words, pairs=pairs, interpret=True)
+    got = rmsnorm_prescale(x, w, 1e-5, **common)
     assert got[0].shape == (tokens, hidden // 8, 8)
     assert got[1].shape == (tokens, hidden // 8 // step_words)
-    # the statistic's sum runs in another order, and XLA may keep the normalized row in
-    # float32 (excess precision): a value may round the other way
-    np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=BF16_ULP, atol=0)
-    # each step's sum: off by at most those roundings (interpreted, xs is h 2^-64 throughout)
-    bound = BF16_ULP * np.abs(f32(want[0])).reshape(tokens, -1, 8 * step_words).sum(-1)
-    assert np.all(np.abs(f32(got[1]) - f32(want[1])) <= bound * 1.01)
+    assert_prescaled_close(got, rmsnorm_prescale_reference(x, w, 1e-5, **common), tokens,
+                           step_words)
+    stream, *got = add_rmsnorm_prescale(x, delta, w, 1e-5, **common)
+    want_stream, *want = add_rmsnorm_prescale_reference(x, delta, w, 1e-5, **common)
+    np.testing.assert_array_equal(f32(stream), f32(want_stream))  # one rounding of the add
+    assert stream.dtype == x.dtype
+    assert_prescaled_close(got, want, tokens, step_words)
 
 
 def test_rmsnorm_prescale_refuses_rows_it_cannot_hold():
@@ -89,34 +103,16 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", CONFIGS)
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_the_gemv_adds_the_residual(name, tokens):
-    w, config = weight(), CONFIGS[name]
-    x, residual = rows((tokens, K)), rows((tokens, N), seed=3)
-    product = int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=GROUP)
-    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
-                    config=config, residual=residual)
-    alone = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
-                      config=config)
-    if name in ("xla sums", "dot"):  # XLA adds after the cast: the unfused roundings
-        np.testing.assert_array_equal(f32(got), f32(alone + residual))
-    # in the kernel: one rounding of product + residual instead of two
-    want = f32(product) + f32(residual)
-    np.testing.assert_allclose(f32(got), want, rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
-
-
 @pytest.mark.parametrize("name", ["one split", "last split sums", "xla sums"])
 def test_the_gemv_over_prescaled_x_is_the_gemv(name):
     w, config = weight(), CONFIGS[name]
-    x, residual = rows((2, K)), rows((2, N), seed=4)
+    x = rows((2, K))
     step_words, pairs = prescale_layout(config, K, GROUP)
     xs, xsum = prescaled_inputs(x.reshape(2, K // 8, 8), step_words, pairs, True)
     got = int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
-                              pairs=pairs, group_size=GROUP, interpret=True, config=config,
-                              residual=residual)
+                              pairs=pairs, group_size=GROUP, interpret=True, config=config)
     want = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True,
-                     config=config, residual=residual)
+                     config=config)
     np.testing.assert_array_equal(f32(got), f32(want))
     with pytest.raises(ValueError, match="pre-scaled x in steps of 16"):
         int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
@@ -125,21 +121,10 @@ def test_the_gemv_over_prescaled_x_is_the_gemv(name):
     assert prescale_layout(Int4GemvConfig(x_in_kernel=True), K, GROUP) is None
 
 
-def test_linear_takes_the_fused_path_only_when_switched_on(monkeypatch):
-    w = weight()
-    x, residual = rows((1, K)), rows((1, N), seed=5)
-    unfused = linear(x, w, int4_backend="pallas_interpret") + residual
+def test_the_switch_is_read_with_a_clear_error(monkeypatch):
     assert not int4_fusion.fusion_enabled()
-    np.testing.assert_array_equal(
-        f32(linear(x, w, int4_backend="pallas_interpret", residual=residual)), f32(unfused))
     monkeypatch.setenv("JAXLLM_INT4_FUSION", "on")
-    fused = linear(x, w, int4_backend="pallas_interpret", residual=residual)
-    np.testing.assert_allclose(f32(fused), f32(unfused), rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
-    # on the CPU's XLA path the residual is XLA's add whatever the switch
-    np.testing.assert_array_equal(f32(linear(x, w, residual=residual)),
-                                  f32(linear(x, w) + residual))
-    assert fused_config(1, K, N, GROUP).splits_sum == "last"
-    assert fused_config(8, K, N, GROUP).dot  # the dot's split sums stay XLA's
+    assert int4_fusion.fusion_enabled()
     monkeypatch.setenv("JAXLLM_INT4_FUSION", "yes")
     with pytest.raises(ValueError, match="JAXLLM_INT4_FUSION='yes' must be 'off' or 'on'"):
         int4_fusion.fusion_enabled()
@@ -148,12 +133,22 @@ def test_linear_takes_the_fused_path_only_when_switched_on(monkeypatch):
 def test_prescaled_activations_go_only_to_a_4bit_gemv():
     w = weight()
     layout = norm_prescale_layout(rows((1, K)), w, uses_gemv=True, enabled=True)
-    assert layout == prescale_layout(fused_config(1, K, N, GROUP), K, GROUP)
+    assert layout == prescale_layout(gemv_config(1, K, N, GROUP), K, GROUP)
     assert norm_prescale_layout(rows((1, K)), w, uses_gemv=False, enabled=True) is None
     assert norm_prescale_layout(rows((1, K)), w, uses_gemv=True, enabled=False) is None
-    x = int4_fusion.rmsnorm_prescaled(rows((1, K)), jnp.ones((K,), jnp.bfloat16), 1e-5,
-                                      layout, interpret=True)
+    norm_w = jnp.ones((K,), jnp.bfloat16)
+    x = int4_fusion.rmsnorm_prescaled(rows((1, K)), norm_w, 1e-5, layout, interpret=True)
     assert isinstance(x, Int4Activation) and x.shape == (1, K)
+    stream, x = int4_fusion.rmsnorm_prescaled(rows((1, K)), norm_w, 1e-5, layout,
+                                              interpret=True, delta=rows((1, K), seed=9))
+    assert stream.shape == (1, K) and isinstance(x, Int4Activation)
+    # linear takes it to the GEMV: the GEMV of the normed row, to its rounding
+    got = linear(x, w, int4_backend="pallas_interpret")
+    xf = stream.astype(jnp.float32)
+    normed = norm_w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)
+                       ).astype(jnp.bfloat16)
+    want = int4_gemv(normed, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True)
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
     with pytest.raises(TypeError, match="pre-scaled activations need a 4-bit weight"):
         linear(x, jnp.ones((K, N), jnp.bfloat16), int4_backend="pallas_interpret")
 
@@ -170,7 +165,7 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
     monkeypatch.setattr(linear_module, "resolve_int4_backend", interpreted)
     monkeypatch.setattr(llama, "resolve_int4_backend", interpreted)
     monkeypatch.setenv("JAXLLM_INT4_FUSION", fusion)
-    calls = {"norm": [], "gemv": []}
+    calls = {"norm": [], "add_norm": [], "gemv": []}
 
     def spy(name, fn):
         def counted(*args, **kwargs):
@@ -180,7 +175,10 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
 
     monkeypatch.setattr(int4_fusion, "rmsnorm_prescale",
                         spy("norm", int4_fusion.rmsnorm_prescale))
-    monkeypatch.setattr(linear_module, "fused_gemv", spy("gemv", linear_module.fused_gemv))
+    monkeypatch.setattr(int4_fusion, "add_rmsnorm_prescale",
+                        spy("add_norm", int4_fusion.add_rmsnorm_prescale))
+    monkeypatch.setattr(linear_module, "prescaled_gemv",
+                        spy("gemv", linear_module.prescaled_gemv))
     jax.clear_caches()  # the switch is read as the forward is traced
     ids = jnp.asarray([[3, 17, 42, 7, 99]], jnp.int32)
     out = jaxllm.generate(params, ids, jnp.asarray([5]), jax.random.key(0), config=CFG,
@@ -195,54 +193,37 @@ def test_the_decode_step_through_the_fused_kernels_keeps_the_greedy_tokens(monke
                               dtype="bfloat16").with_layer_layout(True)
     assert model.quantization.group_size == 128
     unfused, none = greedy(model.params, monkeypatch, "off")
-    assert none == {"norm": [], "gemv": []}
+    assert none == {"norm": [], "add_norm": [], "gemv": []}
     fused, calls = greedy(model.params, monkeypatch, "on")
     np.testing.assert_array_equal(fused, unfused)
-    layers = CFG.num_hidden_layers
-    # the decode step (one row): both norms a layer write pre-scaled x; all four projections
-    # take the fused GEMV; the 5-token prefill's dot GEMVs get the residual from it too
-    assert calls["norm"].count((1, CFG.hidden_size)) == 2 * layers
-    assert sum(shape[0] == 1 for shape in calls["gemv"]) == 4 * layers
+    layers, hidden = CFG.num_hidden_layers, CFG.hidden_size
+    # the decode step (one row): the first norm has no block before it; every other adds one
+    # (the layer's attention, or the MLP of the layer before); qkv and gate_up read them
+    assert calls["norm"] == [(1, hidden)]
+    assert calls["add_norm"] == [(1, hidden)] * (2 * layers - 1)
+    assert calls["gemv"] == [(1, hidden)] * (2 * layers)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
-@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 4096), (4096, 28672)])
+@pytest.mark.parametrize("k,n", [(4096, 6144), (4096, 28672)])
 def test_the_fused_kernels_compiled_equal_the_unfused_path(k, n):
-    """Compiled: the norm kernel's pre-scaled x into the GEMV on the fusion's config (the
-    table's, splits summed in the kernel) adding a residual, at the 8B projections, against
-    XLA's norm, the reference product and the add."""
+    """Compiled: the add + norm kernel's pre-scaled x into the GEMV on the table's config, at
+    the 8B projections after a norm, against XLA's add and norm and the reference product."""
     w = weight(k, n, seed=k + n)
-    x, residual = rows((1, k)) * 2.0, rows((1, n), seed=6)
+    x, delta = rows((1, k)) * 2.0, rows((1, k), seed=6)
     norm_w = (1.0 + 0.1 * rows((k,), seed=7, dtype=jnp.float32)).astype(jnp.bfloat16)
-    config = fused_config(1, k, n, GROUP)
-    layout = prescale_layout(config, k, GROUP)
-    xs, xsum = jax.jit(lambda x: rmsnorm_prescale(x, norm_w, 1e-5, step_words=layout[0],
-                                                  pairs=layout[1]))(x)
+    layout = prescale_layout(gemv_config(1, k, n, GROUP), k, GROUP)
+    stream, xs, xsum = jax.jit(lambda x, d: add_rmsnorm_prescale(
+        x, d, norm_w, 1e-5, step_words=layout[0], pairs=layout[1]))(x, delta)
     got = int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
-                              pairs=layout[1], group_size=GROUP, config=config,
-                              residual=residual)
-    xf = x.astype(jnp.float32)
+                              pairs=layout[1], group_size=GROUP)
+    np.testing.assert_array_equal(f32(stream), f32(x + delta))
+    xf = stream.astype(jnp.float32)
     h = norm_w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)).astype(x.dtype)
     want = f32(int4_matmul_reference(h, w.qweight, w.scales, w.zeros, group_size=GROUP))
-    want = want + f32(residual)
-    # a normalized value may round the other way: each moves the product by <= 2^-7 |h w|
+    # a normalized value may round the other way: each moves the product by <= 2^-7 |h w|;
+    # then both round to bf16 and sum k products in other orders
     bound = BF16_ULP * np.abs(f32(h)) @ np.abs(f32(w.dequantize()))
-    assert np.all(np.abs(f32(got) - want) <= bound + 2 * BF16_ULP * np.abs(want) + 1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
-@pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096)])
-def test_the_fused_gemv_compiled_adds_the_residual(k, n):
-    """Compiled: the o and down projections' GEMV on the fusion's config, x as it is, adding
-    the residual in its last split, against the reference product and the add."""
-    w = weight(k, n, seed=k)
-    x, residual = rows((1, k)), rows((1, n), seed=8)
-    got = int4_gemv(x, w.qweight, w.scales, w.zeros, group_size=GROUP,
-                    config=fused_config(1, k, n, GROUP), residual=residual)
-    want = f32(int4_matmul_reference(x, w.qweight, w.scales, w.zeros, group_size=GROUP))
-    want = want + f32(residual)
-    # both round to bf16 (the reference twice) and sum k products in other orders
-    sums = 2 * k * 2.0**-24 * (np.abs(f32(x)) @ np.abs(f32(w.dequantize())))
-    assert np.all(np.abs(f32(got) - want) <= 2 * BF16_ULP * np.abs(want) + sums)
+    sums = 2 * k * 2.0**-24 * (np.abs(f32(h)) @ np.abs(f32(w.dequantize())))
+    assert np.all(np.abs(f32(got) - want) <= bound + 2 * BF16_ULP * np.abs(want) + sums)

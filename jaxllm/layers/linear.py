@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.env_settings import env_switch
-from jaxllm.layers.int4_fusion import Int4Activation, fused_gemv, fusion_enabled
+from jaxllm.layers.int4_fusion import Int4Activation, prescaled_gemv
 from jaxllm.pallas_kernels.activation_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fp8
 from jaxllm.pallas_kernels.quantized_matmul import (
     PER_WORD,
@@ -342,29 +342,18 @@ def _after_input(x: jax.Array, weight) -> tuple[jax.Array, object]:
 
 
 def linear(x: jax.Array | Fp8Activation | Int4Activation, kernel, *,
-           int4_backend: str = "auto", mesh: Mesh | None = None,
-           residual: jax.Array | None = None) -> jax.Array:  # [.., K] -> [.., N] in x's dtype
-    """``x @ kernel (+ residual)`` for a float or quantized kernel (an FP8 one may take
-    activations already quantized, :class:`Fp8Activation`; a 4-bit one pre-scaled,
-    :class:`~jaxllm.layers.int4_fusion.Int4Activation`). ``int4_backend`` ("auto", "xla",
-    "pallas", "pallas_interpret") and ``mesh`` (the params' mesh) pick a 4-bit kernel's path
-    (:func:`int4_kernel`); under ``JAXLLM_INT4_FUSION`` the GEMV adds ``residual`` itself."""
+           int4_backend: str = "auto", mesh: Mesh | None = None) -> jax.Array:
+    """``x @ kernel`` ([.., K] -> [.., N] in x's dtype) for a float or quantized kernel (an
+    FP8 one may take activations already quantized, :class:`Fp8Activation`; a 4-bit one
+    pre-scaled for its GEMV, :class:`~jaxllm.layers.int4_fusion.Int4Activation`).
+    ``int4_backend`` ("auto", "xla", "pallas", "pallas_interpret") and ``mesh`` (the params'
+    mesh) pick a 4-bit kernel's path (:func:`int4_kernel`)."""
     backend = resolve_int4_backend(int4_backend)
-    interpret = backend == "pallas_interpret"
     if isinstance(x, Int4Activation):
         if not isinstance(kernel, Int4Weight):
             raise TypeError(f"pre-scaled activations need a 4-bit weight, got "
                             f"{type(kernel).__name__}")
-        return fused_gemv(x, kernel, residual, interpret)
-    if (residual is not None and isinstance(kernel, Int4Weight) and fusion_enabled()
-            and int4_kernel(x, kernel, backend, mesh) == "gemv"):
-        return fused_gemv(x, kernel, residual, interpret)
-    y = _product(x, kernel, backend, mesh)
-    return y if residual is None else y + residual
-
-
-def _product(x: jax.Array | Fp8Activation, kernel, backend: str,
-             mesh: Mesh | None) -> jax.Array:
+        return prescaled_gemv(x, kernel, interpret=backend == "pallas_interpret")
     if isinstance(x, Fp8Activation):
         if not isinstance(kernel, Fp8Weight):
             raise TypeError(f"FP8 activations need an FP8 weight, got {type(kernel).__name__}")
@@ -398,8 +387,7 @@ class Linear(nn.Module):
     mesh: Mesh | None = None  # tensor parallel: the params' mesh (a 4-bit kernel's path)
 
     @nn.compact
-    def __call__(self, x, residual: jax.Array | None = None) -> jax.Array:
-        """``x @ kernel (+ bias) (+ residual)``."""
+    def __call__(self, x: jax.Array | Fp8Activation | Int4Activation) -> jax.Array:
         shape = (x.shape[-1], self.features)
         kernel = self.get_variable("params", "kernel")
         if isinstance(kernel, (Int4Weight, Int4WeightNK, Fp8Weight)):
@@ -408,8 +396,7 @@ class Linear(nn.Module):
             assert kernel.shape == shape, (kernel.shape, shape)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(), shape, self.dtype)
-        if not self.use_bias:
-            return linear(in_dtype(x, self.dtype), kernel, mesh=self.mesh, residual=residual)
         y = linear(in_dtype(x, self.dtype), kernel, mesh=self.mesh)
-        y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
-        return y if residual is None else y + residual
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+        return y

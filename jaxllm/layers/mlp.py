@@ -19,20 +19,17 @@ from jaxllm.layers.linear import Fp8Activation, fp8_matmul, fp8_product, linear,
 from jaxllm.pallas_kernels.activation_quant import swiglu_quantize_fp8
 
 
-def swiglu_mlp(x, gate_up, down, *, mesh: Mesh | None = None, product_dtype=None,
-               residual: jax.Array | None = None) -> jax.Array:  # [T, H] -> [T, H] in x's dtype
-    """``down(silu(gate) up) (+ residual)`` with gate_up's columns interleaved (gate_i,
-    up_i); x an array or a :func:`~jaxllm.layers.linear.linear` input of another form. With
+def swiglu_mlp(x: jax.Array | Fp8Activation, gate_up, down, *, mesh: Mesh | None = None,
+               product_dtype=None) -> jax.Array:  # [T, H] -> [T, H] in x's dtype
+    """``down(silu(gate) up)`` with gate_up's columns interleaved (gate_i, up_i). With
     ``product_dtype`` (:func:`~jaxllm.layers.fp8_kernels.swiglu_product_dtype`), both weights
     FP8: the one-pass kernel between the GEMMs (interpreted off the GPU)."""
     if product_dtype is None:
         y = linear(x, gate_up, mesh=mesh)  # [T, 2F]
         pairs = y.reshape(*y.shape[:-1], -1, 2)
-        return linear(nn.silu(pairs[..., 0]) * pairs[..., 1], down, mesh=mesh,
-                      residual=residual)
+        return linear(nn.silu(pairs[..., 0]) * pairs[..., 1], down, mesh=mesh)
     xq, x_scale = (x.q, x.scale) if isinstance(x, Fp8Activation) else quantize_tokens_fp8(x)
     product = fp8_product(xq, gate_up, product_dtype)  # [T, 2F]
     hq, h_scale = swiglu_quantize_fp8(product, x_scale, gate_up.scale, x.dtype,
                                       interpret=jax.default_backend() != "gpu")
-    y = fp8_matmul(hq, h_scale, down, x.dtype)
-    return y if residual is None else y + residual
+    return fp8_matmul(hq, h_scale, down, x.dtype)

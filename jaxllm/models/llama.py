@@ -50,9 +50,8 @@ from jaxllm.layers.fp8_kernels import (
     rmsnorm_quantized,
     swiglu_product_dtype,
 )
-from jaxllm.layers.int4_fusion import Int4Activation, norm_prescale_layout, rmsnorm_prescaled
+from jaxllm.layers.int4_fusion import norm_prescale_layout, rmsnorm_prescaled
 from jaxllm.layers.linear import (
-    Fp8Activation,
     Int4Weight,
     in_dtype,
     int4_kernel,
@@ -78,16 +77,30 @@ class RMSNorm(nn.Module):
     prescale: tuple[int, bool] | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array | Fp8Activation | Int4Activation:
+    def __call__(self, x: jax.Array, delta: jax.Array | None = None):
+        """The norm of ``x`` (an array, or an Fp8Activation / Int4Activation for the next
+        projection); with ``delta`` (a block's output), of ``x + delta``: ``(x + delta, the
+        norm)``."""
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
         if self.prescale is not None:
             return rmsnorm_prescaled(x.astype(self.dtype), scale, self.eps, self.prescale,
-                                     interpret=resolve_int4_backend("auto") == "pallas_interpret")
+                                     resolve_int4_backend("auto") == "pallas_interpret", delta)
+        stream = x if delta is None else x + delta
         if self.quantize:
-            return rmsnorm_quantized(x.astype(self.dtype), scale, self.eps)
-        xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return scale * xf.astype(self.dtype)
+            out = rmsnorm_quantized(stream.astype(self.dtype), scale, self.eps)
+        else:
+            xf = stream.astype(jnp.float32)
+            xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+            out = scale * xf.astype(self.dtype)
+        return out if delta is None else (stream, out)
+
+
+def norm_prescale(x: jax.Array, kernel, mesh: Mesh | None) -> tuple[int, bool] | None:
+    """Static: the pre-scaled x's layout the RMSNorm before this projection writes for its
+    4-bit GEMV (:func:`jaxllm.layers.int4_fusion.norm_prescale_layout`), or None."""
+    if not isinstance(kernel, Int4Weight):
+        return None
+    return norm_prescale_layout(x, kernel, int4_kernel(x, kernel, mesh=mesh) == "gemv")
 
 
 class Attention(nn.Module):
@@ -97,7 +110,7 @@ class Attention(nn.Module):
     mesh: Mesh | None
 
     @nn.compact
-    def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata, residual):
+    def __call__(self, x, kv_pool: KVPool, layer, cos, sin, batch: BatchMetadata):
         cfg = self.config
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, self.mesh, name=name)
         kv_heads = cfg.num_key_value_heads
@@ -113,7 +126,7 @@ class Attention(nn.Module):
         out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
         if not self.is_initializing():  # FP8: quantized per token in a kernel where picked
             out = quantized_input(out, self.variables["params"]["o_proj"]["kernel"], self.mesh)
-        return dense(cfg.hidden_size, False, "o_proj")(out, residual=residual), kv_pool
+        return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
 
 
 class MLP(nn.Module):
@@ -122,7 +135,7 @@ class MLP(nn.Module):
     mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x, residual=None):  # [T, H] -> [T, H] (+ residual)
+    def __call__(self, x):  # [T, H] -> [T, H]
         f, x = self.config.intermediate_size, in_dtype(x, self.dtype)
         if self.is_initializing():  # the projections' params: Linear's
             Linear(2 * f, False, self.dtype, self.mesh, name="gate_up_proj")(x)
@@ -131,8 +144,7 @@ class MLP(nn.Module):
         params = self.variables["params"]
         gate_up, down = params["gate_up_proj"]["kernel"], params["down_proj"]["kernel"]
         return swiglu_mlp(x, gate_up, down, mesh=self.mesh,
-                          product_dtype=swiglu_product_dtype(gate_up, down, self.mesh),
-                          residual=residual)
+                          product_dtype=swiglu_product_dtype(gate_up, down, self.mesh))
 
 
 class DecoderLayer(nn.Module):
@@ -140,30 +152,35 @@ class DecoderLayer(nn.Module):
     dtype: Dtype
     backend: str
     mesh: Mesh | None = None
+    # Unrolled layers: where this layer's input norm adds a block's output in its kernel
+    # (JAXLLM_INT4_FUSION), return the MLP's output unadded with the stream, (stream, delta),
+    # for the next layer's input norm to add (the carry's structure then changes: not scanned).
+    defer_residual: bool = False
 
     @nn.compact
     def __call__(self, carry, cos, sin, batch: BatchMetadata):
-        hidden, kv_pool, layer = carry
+        hidden, kv_pool, layer = carry  # hidden [T, H], or (stream, delta) from the layer before
+        stream, delta = hidden if isinstance(hidden, tuple) else (hidden, None)
         eps = self.config.rms_norm_eps
         params = {} if self.is_initializing() else self.variables["params"]
 
         def norm(name: str, module: str, projection: str):  # RMSNorm before the projection
             kernel = params.get(module, {}).get(projection, {}).get("kernel")
-            prescale = None
-            if isinstance(kernel, Int4Weight):
-                gemv = int4_kernel(hidden, kernel, mesh=self.mesh) == "gemv"
-                prescale = norm_prescale_layout(hidden, kernel, gemv)
-            return RMSNorm(eps, self.dtype, norm_quantizes(hidden, kernel, self.mesh),
-                           prescale, name=name)
+            return RMSNorm(eps, self.dtype, norm_quantizes(stream, kernel, self.mesh),
+                           norm_prescale(stream, kernel, self.mesh), name=name)
 
-        # each block's output joins the residual stream in its last projection (linear's
-        # residual: inside the 4-bit GEMV under JAXLLM_INT4_FUSION)
-        attn_in = norm("input_layernorm", "attn", "qkv_proj")(hidden)
+        input_norm = norm("input_layernorm", "attn", "qkv_proj")
+        if delta is None:
+            attn_in = input_norm(stream)
+        else:
+            stream, attn_in = input_norm(stream, delta)
         attention = Attention(self.config, self.dtype, self.backend, self.mesh, name="attn")
-        hidden, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch, residual=hidden)
-        mlp_in = norm("post_attention_layernorm", "mlp", "gate_up_proj")(hidden)
-        hidden = MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in, residual=hidden)
-        return (hidden, kv_pool, layer + 1), None
+        attn_out, kv_pool = attention(attn_in, kv_pool, layer, cos, sin, batch)
+        stream, mlp_in = norm("post_attention_layernorm", "mlp", "gate_up_proj")(stream, attn_out)
+        mlp_out = MLP(self.config, self.dtype, self.mesh, name="mlp")(mlp_in)
+        if self.defer_residual and input_norm.prescale is not None:
+            return ((stream, mlp_out), kv_pool, layer + 1), None
+        return (stream + mlp_out, kv_pool, layer + 1), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -225,12 +242,15 @@ class LlamaForCausalLM(nn.Module):
         elif unrolled:
             # Each layer is layer 0 of its own one-layer pool, with its own params' tree.
             layers = self.variables["params"]["layers"]
-            layer = DecoderLayer(cfg, self.dtype, self.attention_backend, self.mesh)
+            layer = DecoderLayer(cfg, self.dtype, self.attention_backend, self.mesh,
+                                 defer_residual=True)
             for i in range(cfg.num_hidden_layers):
                 (hidden, pool, _), _ = layer.apply(
                     {"params": layers[i]}, (hidden, kv_pool.layer(i), jnp.int32(0)), cos, sin,
                     batch)
                 kv_pool = kv_pool.replace_layer(i, pool)
+            if isinstance(hidden, tuple):  # the last MLP's output, deferred
+                hidden = hidden[0] + hidden[1]
         else:
             layers = nn.scan(
                 DecoderLayer,

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import column_loads, denormal_kernel, fma, prescaled_inputs
-from .gemv_splits import SPLITS_SUMS, adds_residual, auto_splits, split_outputs, write_rows
+from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .reference import PER_WORD, is_pow2
 
 MAGIC = 0x4B000000  # float32 2^23: an integer OR-ed into its low mantissa bits reads exactly
@@ -219,7 +219,7 @@ def gemv_unsupported(m: int, k: int, n: int, group_size: int,
 
 def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_words: int,
             group_words: int, dot: bool, reduce: bool, evict_first: bool, dtype,
-            out_n: int | None, mode: str, interpret: bool, residual_ref=None):
+            out_n: int | None, mode: str, interpret: bool):
     # x_ref [M', K/8, 8] (all of x; M' = M, or padded to >= 16 rows for the dot);
     # w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n]; out_refs:
     # gemv_splits.split_outputs' for ``mode`` (the dot: "one" or "xla", [M', block_n] blocks)
@@ -270,8 +270,7 @@ def _kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int, step_w
         out_refs[0][...] = acc[0].astype(out_refs[0].dtype)
     else:
         ys = [a if reduce else a.sum(axis=0) for a in acc]
-        write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret,
-                   residual_ref=residual_ref)
+        write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
 
 
 def _checked_config(m: int, k: int, words: int, n: int, group_size: int,
@@ -303,12 +302,9 @@ def int4_gemv(
     group_size: int,
     interpret: bool = False,
     config: Int4GemvConfig | None = None,
-    residual: jax.Array | None = None,  # [.., N] in x's dtype
 ) -> jax.Array:  # [.., N] in x's dtype
-    """Same contract as :func:`int4_matmul_reference`, plus ``residual`` (the result's
-    addend: in f32 before the one rounding where the kernel sums its splits itself,
-    gemv_splits.adds_residual; else after the cast, as ``y + residual``); raises ValueError
-    for a shape :func:`gemv_unsupported` names."""
+    """Same contract as :func:`int4_matmul_reference`; raises ValueError for a shape
+    :func:`gemv_unsupported` names."""
     *lead, k = x.shape
     words, n = qweight.shape
     x2 = x.reshape(-1, k)  # [M, K]
@@ -328,9 +324,8 @@ def int4_gemv(
         pairs = config.byte_permute and step_words % 2 == 0
         kernel = _denormal(config, pairs, prescaled=not config.x_in_kernel)
         x_in = [xp] if config.x_in_kernel else prescaled_inputs(xp, step_words, pairs, interpret)
-    res = None if residual is None else residual.reshape(m, n)
     y = _launch(kernel, x_in, qweight, scales, zeros, rows=rows, m=m, dtype=x.dtype,
-                group_size=group_size, config=config, interpret=interpret, residual=res)
+                group_size=group_size, config=config, interpret=interpret)
     return y.reshape(*lead, n)
 
 
@@ -348,7 +343,6 @@ def int4_gemv_prescaled(
     group_size: int,
     interpret: bool = False,
     config: Int4GemvConfig | None = None,
-    residual: jax.Array | None = None,  # [M, N] in dtype
 ) -> jax.Array:  # [M, N] in dtype
     """:func:`int4_gemv` of the x whose pre-scaled inputs ``(xs, xsum)`` another kernel wrote
     (gemv_prescale.rmsnorm_prescale: the RMSNorm before the projection); a ValueError where
@@ -363,7 +357,7 @@ def int4_gemv_prescaled(
                          f"xsum {xsum.shape}: the GEMV's config {config} reads {layout}")
     return _launch(_denormal(config, pairs, prescaled=True), [xs, xsum], qweight, scales,
                    zeros, rows=m, m=m, dtype=dtype, group_size=group_size, config=config,
-                   interpret=interpret, residual=residual)
+                   interpret=interpret)
 
 
 def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
@@ -372,8 +366,8 @@ def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
 
 
 def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dtype,
-            group_size: int, config: Int4GemvConfig, interpret: bool,
-            residual) -> jax.Array:  # [M, N] in dtype
+            group_size: int, config: Int4GemvConfig,
+            interpret: bool) -> jax.Array:  # [M, N] in dtype
     """The GEMV's pallas_call over ``x_in`` (whole arrays, read by every program) and the
     weight's column blocks and splits, and its result (gemv_splits.split_outputs)."""
     words, n = qweight.shape
@@ -389,9 +383,6 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
     exact = mode in ("one", "last") and not config.dot
     outs = split_outputs(mode, splits=splits, rows=rows, n=n, block_n=config.block_n,
                          dtype=dtype, exact=exact)
-    # the residual joins in the kernel where it stores the result itself (not the dot's tile)
-    fused = residual is not None and adds_residual(mode) and not config.dot
-    extra = [residual] if fused else []
     kernel = functools.partial(
         kernel, n=n, steps=split_words // step_words, step_words=step_words,
         group_words=group_size // PER_WORD, evict_first=config.evict_first,
@@ -401,13 +392,12 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
         pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
-        *[pl.BlockSpec((rows, config.block_n), lambda c, s: (0, c)) for _ in extra],
         *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
     ]
-    args = [*x_in, qweight, scales, zeros, *extra, *[a for a, _ in outs.zeros]]
-    aliases = {len(x_in) + 3 + len(extra) + j: i for j, (_, i) in enumerate(outs.zeros)}
+    args = [*x_in, qweight, scales, zeros, *[a for a, _ in outs.zeros]]
+    aliases = {len(x_in) + 3 + j: i for j, (_, i) in enumerate(outs.zeros)}
     result = pl.pallas_call(
-        _split_refs(kernel, len(x_in), len(extra), len(outs.zeros)),
+        _split_refs(kernel, len(x_in), len(outs.zeros)),
         grid=(col_blocks, splits),
         in_specs=in_specs,
         out_specs=outs.specs,
@@ -418,17 +408,15 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
         interpret=interpret,
         name="int4_gemv",
     )(*args)
-    return outs.result(result, m, n, dtype, None if fused else residual)
+    return outs.result(result, m, n, dtype)
 
 
-def _split_refs(kernel, n_x: int, n_residual: int, n_zeros: int):
-    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs[, residual_ref=])`` over pallas_call's
-    flat refs (the zeroed inputs aliased to outputs are dropped: the kernel writes their
-    outputs)."""
+def _split_refs(kernel, n_x: int, n_zeros: int):
+    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs (the
+    zeroed inputs aliased to outputs are dropped: the kernel writes their outputs)."""
 
     def flat(*refs):
         x_refs, (w_ref, s_ref, z_ref) = refs[:n_x], refs[n_x:n_x + 3]
-        extra = {"residual_ref": refs[n_x + 3]} if n_residual else {}
-        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_residual + n_zeros:], **extra)
+        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_zeros:])
 
     return flat

@@ -161,13 +161,12 @@ def _products(words: list, pairs: bool, interpret: bool, loads_first: bool):
 def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
                     step_words: int, group_words: int, evict_first: bool, interpret: bool,
                     pairs: bool, prefetch: bool, out_n: int | None, mode: str,
-                    prescaled: bool, loads_first: bool = False, residual_ref=None):
+                    prescaled: bool, loads_first: bool = False):
     # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
     # (row, nibble), and scales it in registers; the threads sum each step's together), or
     # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
     # :func:`prescaled_inputs`; w_ref i32[K/8/splits, block_n]; s_ref, z_ref [G, block_n];
-    # out_refs: gemv_splits.split_outputs' for ``mode``; residual_ref [M, block_n] (the
-    # result's addend, gemv_splits.write_rows) or None
+    # out_refs: gemv_splits.split_outputs' for ``mode``
     x_ref = x_refs[0]
     rows = x_ref.shape[0]
     block_n = w_ref.shape[1]
@@ -215,8 +214,7 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
     init = (zeros, zeros, load_words(0) if prefetch else ())
     acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
     ys = [(a - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
-    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret,
-               residual_ref=residual_ref)
+    write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
 
 
 def nibble_units(pairs: bool, interpret: bool) -> np.ndarray:

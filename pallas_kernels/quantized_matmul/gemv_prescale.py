@@ -5,17 +5,20 @@ squares, then the normalization, which also writes the GEMV's inputs
 (gemv_denormal.prescaled_inputs: x scaled per nibble position, and each step's sum). In the
 Llama-3-8B AWQ decode step at one row that is 4 of a layer's 18 launches
 (``benchmarks/step_kernels.py``). One program takes one token's row whole (H values in
-registers), laid out in the GEMV's steps::
+registers), laid out in the GEMV's steps; :func:`add_rmsnorm_prescale` first adds the
+previous block's output to the residual stream and writes the sum (as vLLM's fused add +
+RMSNorm: the add is then not a kernel of its own either)::
 
     grid = (T,)
     program t:  x = row t in float32, [K/8/step_words, 8 step_words]
+                (x = round_dtype(x + delta[t]); stream[t] = x)
                 h = round_dtype(round_dtype(x rsqrt(mean(x^2) + eps)) weight)   RMSNorm's
                 xs[t] = h unit             unit: prescaled_inputs' power of two per column
                 xsum[t, s] = sum over step s of h 2^-X_EXP
 
-:func:`rmsnorm_prescale` has the signature of :func:`rmsnorm_prescale_reference`; the GEMV
-that reads its outputs is :func:`~.gemv.int4_gemv_prescaled`. The sums' order differs from
-XLA's, so ``xsum`` and the statistic may differ from the reference by float32 rounding.
+Each has the signature of its ``_reference``; the GEMV that reads their outputs is
+:func:`~.gemv.int4_gemv_prescaled`. The sums' order differs from XLA's, so ``xsum`` and the
+statistic may differ from the reference by float32 rounding.
 """
 
 from __future__ import annotations
@@ -55,12 +58,50 @@ def _units(step_words: int, pairs: bool, interpret: bool) -> np.ndarray:
     return np.tile(rows, (step_words // len(rows), 1)).reshape(-1)
 
 
-def _kernel(x_ref, weight_ref, unit_ref, xs_ref, xsum_ref, *, eps: float, dtype):
-    x = x_ref[...].astype(jnp.float32)  # [steps, 8 step_words]
+def _kernel(*refs, eps: float, dtype, add: bool):
+    # x_ref [steps, 8 step_words] (, delta_ref the same), weight_ref the same, unit_ref
+    # [8 step_words] -> (stream_ref the same,) xs_ref f32 the same, xsum_ref f32 [steps]
+    if add:
+        x_ref, delta_ref, weight_ref, unit_ref, stream_ref, xs_ref, xsum_ref = refs
+        stream = (x_ref[...].astype(jnp.float32) + delta_ref[...].astype(jnp.float32)) \
+            .astype(dtype)  # the residual add, rounded as XLA's
+        stream_ref[...] = stream
+        x = stream.astype(jnp.float32)
+    else:
+        x_ref, weight_ref, unit_ref, xs_ref, xsum_ref = refs
+        x = x_ref[...].astype(jnp.float32)
     normed = x * jax.lax.rsqrt(jnp.mean(x * x) + eps)
     h = (weight_ref[...] * normed.astype(dtype)).astype(jnp.float32)
     xs_ref[...] = h * unit_ref[...][None, :]
     xsum_ref[...] = (h * 2.0**-X_EXP).sum(axis=1)
+
+
+def _call(x, delta, weight, eps: float, step_words: int, pairs: bool, interpret: bool):
+    why = unsupported(x.shape, step_words)
+    if why is not None:
+        raise ValueError(why)
+    tokens, hidden = x.shape
+    steps, width = hidden // (PER_WORD * step_words), PER_WORD * step_words
+    row = pl.BlockSpec((None, steps, width), lambda t: (t, 0, 0))
+    rows = [x] if delta is None else [x, delta.astype(x.dtype)]
+    stream = [jax.ShapeDtypeStruct((tokens, steps, width), x.dtype)] if delta is not None else []
+    outs = pl.pallas_call(
+        functools.partial(_kernel, eps=eps, dtype=x.dtype, add=delta is not None),
+        grid=(tokens,),
+        in_specs=[*[row] * len(rows), pl.BlockSpec((steps, width), lambda t: (0, 0)),
+                  pl.BlockSpec((width,), lambda t: (0,))],
+        out_specs=[*[row] * len(stream), row, pl.BlockSpec((None, steps), lambda t: (t, 0))],
+        out_shape=[*stream, jax.ShapeDtypeStruct((tokens, steps, width), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, steps), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="rmsnorm_prescale",
+    )(*[r.reshape(tokens, steps, width) for r in rows],
+      weight.astype(x.dtype).reshape(steps, width),
+      jnp.asarray(_units(step_words, pairs, interpret)))
+    *stream, xs, xsum = outs
+    return (*[a.reshape(tokens, hidden) for a in stream],
+            xs.reshape(tokens, hidden // PER_WORD, PER_WORD), xsum)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "step_words", "pairs", "interpret"))
@@ -73,27 +114,21 @@ def rmsnorm_prescale(
     pairs: bool,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:  # (xs f32[T, H/8, 8], xsum f32[T, H/8/step_words])
-    why = unsupported(x.shape, step_words)
-    if why is not None:
-        raise ValueError(why)
-    tokens, hidden = x.shape
-    steps, width = hidden // (PER_WORD * step_words), PER_WORD * step_words
-    unit = jnp.asarray(_units(step_words, pairs, interpret))
-    xs, xsum = pl.pallas_call(
-        functools.partial(_kernel, eps=eps, dtype=x.dtype),
-        grid=(tokens,),
-        in_specs=[pl.BlockSpec((None, steps, width), lambda t: (t, 0, 0)),
-                  pl.BlockSpec((steps, width), lambda t: (0, 0)),
-                  pl.BlockSpec((width,), lambda t: (0,))],
-        out_specs=[pl.BlockSpec((None, steps, width), lambda t: (t, 0, 0)),
-                   pl.BlockSpec((None, steps), lambda t: (t, 0))],
-        out_shape=[jax.ShapeDtypeStruct((tokens, steps, width), jnp.float32),
-                   jax.ShapeDtypeStruct((tokens, steps), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="rmsnorm_prescale",
-    )(x.reshape(tokens, steps, width), weight.astype(x.dtype).reshape(steps, width), unit)
-    return xs.reshape(tokens, hidden // PER_WORD, PER_WORD), xsum
+    return _call(x, None, weight, eps, step_words, pairs, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "step_words", "pairs", "interpret"))
+def add_rmsnorm_prescale(
+    x: jax.Array,  # [T, H] the residual stream
+    delta: jax.Array,  # [T, H] a block's output, added to it first
+    weight: jax.Array,  # [H]
+    eps: float,
+    *,
+    step_words: int,
+    pairs: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (x + delta [T, H] in x's dtype, xs, xsum)
+    return _call(x, delta, weight, eps, step_words, pairs, interpret)
 
 
 def rmsnorm_prescale_reference(
@@ -112,6 +147,16 @@ def rmsnorm_prescale_reference(
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     h = weight.astype(x.dtype) * xf.astype(x.dtype)
     tokens, hidden = x.shape
-    xs, xsum = prescaled_inputs(h.reshape(tokens, hidden // PER_WORD, PER_WORD), step_words,
-                                pairs, interpret)
-    return xs, xsum
+    return tuple(prescaled_inputs(h.reshape(tokens, hidden // PER_WORD, PER_WORD), step_words,
+                                  pairs, interpret))
+
+
+def add_rmsnorm_prescale_reference(
+    x: jax.Array, delta: jax.Array, weight: jax.Array, eps: float, *, step_words: int,
+    pairs: bool, interpret: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (x + delta, xs, xsum)
+    """The decoder layer's ``x + delta`` in x's dtype, then :func:`rmsnorm_prescale_reference`
+    of it."""
+    stream = x + delta.astype(x.dtype)
+    return (stream, *rmsnorm_prescale_reference(stream, weight, eps, step_words=step_words,
+                                                pairs=pairs, interpret=interpret))

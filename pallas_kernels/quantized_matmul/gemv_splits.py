@@ -16,10 +16,6 @@ Program (c, s) ends with f32 sums ``ys[m]`` [block_n] of its word rows for colum
                 counts last sums P[0] + P[1] + .. in split order and stores y in x's dtype:
                 deterministic whichever split ends last, no XLA op after the call
 
-A residual [M, N] (the decoder layer's stream the projection's output is added to) is added
-in f32 before the store in "one" and "last" (one rounding to x's dtype); the other modes leave
-it to XLA after the call (the cast, then the add: the unfused layer's roundings).
-
 "last" orders the partials' stores before the count as CUTLASS's split-K semaphore does: a
 barrier of the program's threads, then the count with release semantics (Triton's atomic is
 acq_rel at GPU scope); the last split reads P after its count's acquire, with volatile loads
@@ -59,33 +55,12 @@ def _store_row(o_ref, m: int, value, cols, out_n: int | None):
                        mask=(cols < out_n)[None, :])
 
 
-def _load_row(ref, m: int, cols, out_n: int | None):
-    """Row m of ``ref`` [M, block_n] as f32 [block_n] (zeros past column out_n)."""
-    if out_n is None:
-        return ref[m, :].astype(jnp.float32)
-    return pltriton.load(ref.at[pl.ds(m, 1), :], mask=(cols < out_n)[None, :],
-                         other=0)[0].astype(jnp.float32)
-
-
-def adds_residual(mode: str) -> bool:
-    """Whether the kernel adds a residual itself in ``mode`` (else XLA after the call)."""
-    return mode in ("one", "last")
-
-
-def write_rows(out_refs, ys, cols, *, mode: str, out_n: int | None, interpret: bool,
-               residual_ref=None):
+def write_rows(out_refs, ys, cols, *, mode: str, out_n: int | None, interpret: bool):
     """The program's rows ``ys`` (f32 [block_n] each) into its outputs, by ``mode`` ("one",
-    or a splits_sum) as the module docstring draws; plus ``residual_ref``'s rows [M,
-    block_n] where given (modes "one" and "last")."""
-    if residual_ref is not None and not adds_residual(mode):
-        raise ValueError(f"a residual is added in the kernel only in 'one' or 'last', not {mode!r}")
-
-    def final(m, y):
-        return y if residual_ref is None else y + _load_row(residual_ref, m, cols, out_n)
-
+    or a splits_sum) as the module docstring draws."""
     if mode == "one" or mode == "xla":
         for m, y in enumerate(ys):
-            _store_row(out_refs[0], m, final(m, y) if mode == "one" else y, cols, out_n)
+            _store_row(out_refs[0], m, y, cols, out_n)
     elif mode == "atomic":
         for m, y in enumerate(ys):  # [1, bn]: the interpreter's atomic takes no integer index
             pltriton.atomic_add(out_refs[0], (pl.ds(m, 1), slice(None)), y[None, :])
@@ -106,7 +81,7 @@ def write_rows(out_refs, ys, cols, *, mode: str, out_n: int | None, interpret: b
                     p = pltriton.load(part_ref.at[pl.ds(t, 1), pl.ds(m, 1), :],
                                       volatile=not interpret)[0, 0]
                     y = p if y is None else y + p
-                _store_row(o_ref, m, final(m, y), cols, out_n)
+                _store_row(o_ref, m, y, cols, out_n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,16 +93,13 @@ class SplitOutputs:
     specs: tuple  # pl.BlockSpec each, over grid (c, s)
     zeros: tuple  # (input array, output index) each: passed after the weights, aliased
 
-    def result(self, outs, m: int, n: int, dtype, residual=None) -> jax.Array:  # [M, N]
-        """The call's [M, N] in ``dtype``, plus ``residual`` [M, N] where given (None where
-        the kernel added it: :func:`adds_residual`)."""
+    def result(self, outs, m: int, n: int, dtype) -> jax.Array:  # [M, N] in dtype
         y = outs[0]
         if self.mode == "xla":
             y = y.sum(axis=0)
         if y.shape != (m, n):
             y = y[:m, :n]
-        y = y.astype(dtype)
-        return y if residual is None else y + residual
+        return y.astype(dtype)
 
 
 def split_outputs(mode: str, *, splits: int, rows: int, n: int, block_n: int,
