@@ -27,11 +27,7 @@ import flax.struct
 import jax
 
 from jaxllm.env_settings import env_switch
-from jaxllm.pallas_kernels.quantized_matmul.gemv import (
-    gemv_config,
-    int4_gemv_prescaled,
-    prescale_layout,
-)
+from jaxllm.pallas_kernels.quantized_matmul import gemv
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
     add_rmsnorm_prescale,
     rmsnorm_prescale,
@@ -75,8 +71,9 @@ def norm_prescale_layout(x: jax.Array, kernel, uses_gemv: bool,
     if not (enabled and uses_gemv):
         return None
     k, n = kernel.shape
-    layout = prescale_layout(gemv_config(x.shape[0], k, n, kernel.group_size), k,
-                             kernel.group_size)
+    # gemv's own pick, looked up there (step_profile --gemv-overrides patches it)
+    layout = gemv.prescale_layout(gemv.gemv_config(x.shape[0], k, n, kernel.group_size), k,
+                                  kernel.group_size)
     if layout is None or norm_unsupported(x.shape, layout[0]) is not None:
         return None
     return layout
@@ -96,8 +93,8 @@ def rmsnorm_prescaled(x: jax.Array, weight: jax.Array, eps: float, layout: tuple
 
 
 def prescaled_gemv(x: Int4Activation, kernel, interpret: bool) -> jax.Array:
-    """``x @ kernel`` [T, N] in x's dtype through the GEMV on the table's config (``kernel``
+    """``x @ kernel`` [T, N] in x's dtype through the GEMV on its pick's config (``kernel``
     an Int4Weight)."""
-    return int4_gemv_prescaled(x.xs, x.xsum, kernel.qweight, kernel.scales, kernel.zeros,
-                               dtype=x.dtype, pairs=x.pairs, group_size=kernel.group_size,
-                               interpret=interpret)
+    return gemv.int4_gemv_prescaled(x.xs, x.xsum, kernel.qweight, kernel.scales,
+                                    kernel.zeros, dtype=x.dtype, pairs=x.pairs,
+                                    group_size=kernel.group_size, interpret=interpret)
