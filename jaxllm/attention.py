@@ -25,10 +25,13 @@ Inside a pipeline stage the same ``shard_map`` nests in the stage loop's, over `
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxllm.batch import BatchMetadata
+from jaxllm.env_settings import env_switch
 from jaxllm.kv_pool import KVPool, write_kv
 from jaxllm.pallas_kernels.paged_attention import (
     kernels_support,
@@ -36,7 +39,11 @@ from jaxllm.pallas_kernels.paged_attention import (
     paged_attention_mixed,
     paged_attention_reference,
 )
-from jaxllm.parallel import PP_AXIS, TP_AXIS, tensor_parallel_size
+from jaxllm.pallas_kernels.paged_attention.rope_kv_write import rope_kv_write
+from jaxllm.pallas_kernels.paged_attention.rope_kv_write import (
+    unsupported as rope_kv_unsupported,
+)
+from jaxllm.parallel import PP_AXIS, TP_AXIS, pipeline_parallel_size, tensor_parallel_size
 from jaxllm.parallel.sharding import KV_HEAD_AXIS
 
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "pallas_interpret", "pallas_mosaic",
@@ -144,5 +151,53 @@ def write_kv_and_attend(
         out_specs=(heads, pool_specs), check_vma=False)(q, k, v, kv_pool, layer, batch)
 
 
+# JAXLLM_ROPE_KV_KERNEL=on: where the attention kernels run (a GPU, or interpreted) on one
+# device, a step of at most ROPE_KV_KERNEL_MAX_TOKENS tokens rotates its queries and keys and
+# writes its keys and values into the pool in one kernel (rope_kv_write.py) instead of XLA's
+# three (two scatters and the queries' rotation): 64 launches fewer a Llama-3-8B decode step.
+# Off until timed on a GPU. Read as the forward is traced (executable_cache.PROGRAM_ENV).
+ROPE_KV_KERNEL_ENV = "JAXLLM_ROPE_KV_KERNEL"
+ROPE_KV_KERNEL_MAX_TOKENS = 64  # decode and small steps, where launches weigh
+
+
+def rope_kv_kernel_enabled(environ=os.environ) -> bool:
+    """Whether ``JAXLLM_ROPE_KV_KERNEL`` is "on" ("off" when unset); a clear error for any
+    other value."""
+    return env_switch(environ, ROPE_KV_KERNEL_ENV)
+
+
+def rope_kv_kernel_applies(qkv: jax.Array, kv_pool: KVPool, backend: str,
+                           mesh: Mesh | None) -> bool:
+    """Static: does :func:`rope_write_kv_and_attend` take the one-kernel path for this qkv
+    [T, Hkv (G + 2) D] (``backend`` the model's attention backend)?"""
+    backend = resolve_backend(backend)
+    return (rope_kv_kernel_enabled() and backend != "reference"
+            and tensor_parallel_size(mesh) == 1 and pipeline_parallel_size(mesh) == 1
+            and qkv.shape[0] <= ROPE_KV_KERNEL_MAX_TOKENS
+            and rope_kv_unsupported(qkv.shape, kv_pool.k.shape, qkv.dtype,
+                                    kv_pool.dtype) is None)
+
+
+def rope_write_kv_and_attend(
+    qkv: jax.Array,  # [T, Hkv (G + 2) D] the fused projection's output
+    cos: jax.Array,  # f32[T, D]
+    sin: jax.Array,  # f32[T, D]
+    kv_pool: KVPool,
+    layer: jax.Array,  # i32[]
+    batch: BatchMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    backend: str = "auto",
+) -> tuple[jax.Array, KVPool]:  # [T, Hq, D], the pool with this step's K/V written
+    """RoPE on the queries and keys, the keys and values written into layer ``layer`` of the
+    pool (one kernel), then attention; where :func:`rope_kv_kernel_applies`."""
+    q, k, v = rope_kv_write(qkv, cos, sin, kv_pool.k, kv_pool.v, layer, batch.slot_mapping,
+                            interpret=resolve_backend(backend).endswith("_interpret"))
+    kv_pool = KVPool(k=k, v=v)
+    return paged_attention(q, kv_pool, layer, batch, scale=scale, sliding_window=sliding_window,
+                           backend=backend), kv_pool
+
+
 __all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend",
-           "write_kv_and_attend"]
+           "rope_kv_kernel_applies", "rope_write_kv_and_attend", "write_kv_and_attend"]

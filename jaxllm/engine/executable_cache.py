@@ -57,7 +57,8 @@ _IGNORED_CONFIG = ("cache", "log", "dump", "traceback", "pprint", "mtls", "timeo
 # others (JAXLLM_COMMIT, JAXLLM_API_KEY ...) would only make restarts miss.
 PROGRAM_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "JAXLLM_FP8_AUTOTUNE_LEVEL",
                "JAXLLM_FP8_SWIGLU_KERNEL", "JAXLLM_FP8_NORM_KERNEL", "JAXLLM_STAGE_STEP_INPUT",
-               "JAXLLM_INT4_HOPPER", "JAXLLM_INT4_FUSION")
+               "JAXLLM_INT4_HOPPER", "JAXLLM_INT4_FUSION",
+               "JAXLLM_ROPE_KV_KERNEL")
 
 
 def compile_lowered(lowered, compiler_options: dict | None = None):

@@ -17,7 +17,7 @@ from collections.abc import Sequence as SequenceABC
 import jax
 import numpy as np
 
-from jaxllm.attention import resolve_backend
+from jaxllm.attention import resolve_backend, rope_kv_kernel_enabled
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.compile_cache import use_compilation_cache
 from jaxllm.engine.embeddings import EmbeddingRequests
@@ -76,6 +76,7 @@ class LLMEngine(StepLauncher):
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
         int4_n_major = int4_hopper_enabled()  # and a bad JAXLLM_INT4_HOPPER
         int4_fusion.fusion_enabled()  # or JAXLLM_INT4_FUSION
+        rope_kv_kernel_enabled()  # or JAXLLM_ROPE_KV_KERNEL
         owned = model is None  # the engine's own load: its arrays may be freed as converted
         with out_of_memory_explained("loading the weights"):
             if model is None:

@@ -40,7 +40,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxllm.attention import write_kv_and_attend
+from jaxllm.attention import (
+    rope_kv_kernel_applies,
+    rope_write_kv_and_attend,
+    write_kv_and_attend,
+)
 from jaxllm.batch import BatchMetadata, pack_batch
 from jaxllm.kv_pool import AnyKVPool, KVPool, LayeredKVPool
 from jaxllm.layers import Linear
@@ -116,13 +120,18 @@ class Attention(nn.Module):
         kv_heads = cfg.num_key_value_heads
         group = cfg.num_attention_heads // kv_heads
         qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
-        qkv = qkv.reshape(-1, kv_heads, group + 2, cfg.head_dim)  # [T, Hkv, G + 2, D]
-        q = qkv[:, :, :group].reshape(-1, cfg.num_attention_heads, cfg.head_dim)  # [T, Hq, D]
-        k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, D] each
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, kv_pool = write_kv_and_attend(
-            q, k, v, kv_pool, layer, batch, scale=cfg.head_dim ** -0.5,
-            sliding_window=cfg.sliding_window, backend=self.backend, mesh=self.mesh)
+        attend = dict(scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+                      backend=self.backend)
+        if rope_kv_kernel_applies(qkv, kv_pool, self.backend, self.mesh):
+            out, kv_pool = rope_write_kv_and_attend(qkv, cos, sin, kv_pool, layer, batch,
+                                                    **attend)
+        else:
+            qkv = qkv.reshape(-1, kv_heads, group + 2, cfg.head_dim)  # [T, Hkv, G + 2, D]
+            q = qkv[:, :, :group].reshape(-1, cfg.num_attention_heads, cfg.head_dim)
+            k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, D] each
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, Hq or Hkv, D]
+            out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, layer, batch, mesh=self.mesh,
+                                               **attend)
         out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
         if not self.is_initializing():  # FP8: quantized per token in a kernel where picked
             out = quantized_input(out, self.variables["params"]["o_proj"]["kernel"], self.mesh)
