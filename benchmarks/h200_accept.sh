@@ -54,9 +54,9 @@
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
 #   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
-#   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major); "lf": JAXLLM_INT4_FUSION's
-#   compiled tests (g10), then the one-row steps of bf16, AWQ and AWQ fused (~3 minutes);
-#   "p1f": the fused AWQ step traced by position
+#   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major); "lf": JAXLLM_INT4_FUSION's and
+#   JAXLLM_ROPE_KV_KERNEL's compiled tests (g10), then the one-row steps of bf16 and AWQ
+#   with and without them (~3 minutes); "p1f": the AWQ step with both traced by position
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -300,22 +300,26 @@ only17() {
       --out-dir "$DIR/p1k"
     rm -rf "$DIR"/p1k/trace
     # JAXLLM_INT4_FUSION (the residual add + RMSNorm + GEMV-input kernel: 584 -> 520 launches
-    # at one row): g10 its compiled tests; lf the
-    # one-row decode steps of bf16, AWQ and AWQ fused, with the device's busy time; p1f p1s's
-    # trace fused (each kernel by position)
+    # at one row) and JAXLLM_ROPE_KV_KERNEL (RoPE and the K/V write in one kernel: 64 fewer,
+    # any format): g10 their compiled tests; lf the one-row decode steps of bf16 (and with
+    # the RoPE kernel), AWQ, AWQ fused, AWQ fused with the RoPE kernel, with the device's busy
+    # time (~2 minutes); p1f p1s's trace with both (each kernel by position)
     if picked lf || picked p1f; then
-      step g10_int4_fusion_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
-        tests/test_int4_fusion.py
+      step g10_fusion_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
+        tests/test_int4_fusion.py tests/test_rope_kv_write.py
     fi
     if grep -qE "^[0-9]+ passed" "$DIR"/g10_*.log 2>/dev/null; then
       local one="${LATENCY//$'\n'/ }"
       one="${one/1,64,256/1} --device-time"
-      picked lf && step lf_latency_fusion 40 240 bash -c "$PY $one --output-json $DIR/lf_bf16.json; \
+      local both="JAXLLM_INT4_FUSION=on JAXLLM_ROPE_KV_KERNEL=on"
+      picked lf && step lf_latency_fusion 40 300 bash -c "$PY $one --output-json $DIR/lf_bf16.json; \
+        JAXLLM_ROPE_KV_KERNEL=on $PY $one --output-json $DIR/lf_bf16_rope.json; \
         $PY $one -q awq --output-json $DIR/lf_awq.json; JAXLLM_INT4_FUSION=on $PY $one -q awq \
-        --output-json $DIR/lf_awq_fused.json"
-      picked p1f && step p1f_profile_awq_b1_fused 70 150 env JAXLLM_INT4_FUSION=on $PY \
+        --output-json $DIR/lf_awq_fused.json; env $both $PY $one -q awq \
+        --output-json $DIR/lf_awq_fused_rope.json"
+      picked p1f && step p1f_profile_awq_b1_fused 70 150 env $both $PY \
         -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
-        --sequence "gemv|gemm|attention|rmsnorm" --out-dir "$DIR/p1f"
+        --sequence "gemv|gemm|attention|rmsnorm|rope" --out-dir "$DIR/p1f"
       rm -rf "$DIR"/p1f/trace
     fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
