@@ -99,7 +99,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None,
     backend: str = "auto",
-) -> jax.Array:  # [T, Hq, D]
+    merge: bool = True,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D]
+    """``merge=False``: where the decode kernel splits the keys, its unmerged partials (o, lse)
+    (``paged_attention_decode``'s), else the output as with ``merge``."""
     backend = resolve_backend(backend)
     args = (q, kv_pool.k, kv_pool.v, layer, batch.block_tables, batch.seq_lens,
             batch.query_start_loc, batch.positions)
@@ -108,7 +111,7 @@ def paged_attention(
     interpret = backend.endswith("_interpret")
     if is_decode_batch(q, batch):
         return paged_attention_decode(*args, scale=scale, sliding_window=sliding_window,
-                                      interpret=interpret)
+                                      interpret=interpret, merge=merge)
     return paged_attention_mixed(
         *args, scale=scale, sliding_window=sliding_window, interpret=interpret,
         prefill_kernel="mosaic" if backend.startswith("pallas_mosaic") else "triton")
@@ -126,17 +129,22 @@ def write_kv_and_attend(
     sliding_window: int | None,
     backend: str = "auto",
     mesh: Mesh | None = None,
+    merge: bool = True,
 ) -> tuple[jax.Array, KVPool]:  # [T, Hq, D], the pool with this step's K/V written
     """Writes this step's K/V into layer ``layer`` of the pool, then attends; per shard of the
-    head axis when ``mesh`` splits it."""
+    head axis when ``mesh`` splits it (``merge=False``, :func:`paged_attention`'s, on one
+    device only)."""
 
     def local(q, k, v, kv_pool, layer, batch):
         kv_pool = write_kv(kv_pool, layer, batch.slot_mapping, k, v)
         return paged_attention(q, kv_pool, layer, batch, scale=scale,
-                               sliding_window=sliding_window, backend=backend), kv_pool
+                               sliding_window=sliding_window, backend=backend,
+                               merge=merge), kv_pool
 
     if tensor_parallel_size(mesh) == 1:
         return local(q, k, v, kv_pool, layer, batch)
+    if not merge:
+        raise ValueError("unmerged attention partials are for one device")
     heads = PartitionSpec(None, TP_AXIS, None)
     pool_spec = PartitionSpec(*([None] * KV_HEAD_AXIS), TP_AXIS, None)
     pool_specs = KVPool(k=pool_spec, v=pool_spec)
@@ -189,14 +197,16 @@ def rope_write_kv_and_attend(
     scale: float,
     sliding_window: int | None,
     backend: str = "auto",
+    merge: bool = True,
 ) -> tuple[jax.Array, KVPool]:  # [T, Hq, D], the pool with this step's K/V written
     """RoPE on the queries and keys, the keys and values written into layer ``layer`` of the
-    pool (one kernel), then attention; where :func:`rope_kv_kernel_applies`."""
+    pool (one kernel), then attention (``merge``: :func:`paged_attention`'s); where
+    :func:`rope_kv_kernel_applies`."""
     q, k, v = rope_kv_write(qkv, cos, sin, kv_pool.k, kv_pool.v, layer, batch.slot_mapping,
                             interpret=resolve_backend(backend).endswith("_interpret"))
     kv_pool = KVPool(k=k, v=v)
     return paged_attention(q, kv_pool, layer, batch, scale=scale, sliding_window=sliding_window,
-                           backend=backend), kv_pool
+                           backend=backend, merge=merge), kv_pool
 
 
 __all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend",

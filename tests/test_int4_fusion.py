@@ -19,6 +19,8 @@ from jaxllm.pallas_kernels.quantized_matmul.gemv_denormal import prescaled_input
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
     add_rmsnorm_prescale,
     add_rmsnorm_prescale_reference,
+    merge_prescale,
+    merge_prescale_reference,
     rmsnorm_prescale,
     rmsnorm_prescale_reference,
     unsupported,
@@ -82,6 +84,21 @@ def test_rmsnorm_prescale_is_the_norm_then_the_gemv_inputs(tokens, hidden, step_
     np.testing.assert_array_equal(f32(stream), f32(want_stream))  # one rounding of the add
     assert stream.dtype == x.dtype
     assert_prescaled_close(got, want, tokens, step_words)
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_merge_prescale_is_the_decode_merge_then_the_gemv_inputs(pairs):
+    rng = np.random.default_rng(4)
+    o = jnp.asarray(rng.standard_normal((2, 4, 3, 128)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((2, 4, 3)) * 4, jnp.float32)
+    lse = lse.at[0, 1].set(-jnp.inf).at[1, :, 2].set(-jnp.inf)  # an empty split, head
+    got = merge_prescale(o, lse, dtype=jnp.bfloat16, pairs=pairs, interpret=True)
+    want = merge_prescale_reference(o, lse, dtype=jnp.bfloat16, pairs=pairs, interpret=True)
+    assert got[0].shape == (2, 3 * 16, 8) and got[1].shape == (2, 3)
+    assert_prescaled_close(got, want, 2, 16)
+    assert not np.any(f32(got[0]).reshape(2, 3, 128)[1, 2])  # no keys: zeros
+    with pytest.raises(ValueError, match="powers of two"):
+        merge_prescale(o[:, :3], lse[:, :3], dtype=jnp.bfloat16, pairs=pairs)
 
 
 def test_rmsnorm_prescale_refuses_rows_it_cannot_hold():
@@ -153,8 +170,9 @@ def test_prescaled_activations_go_only_to_a_4bit_gemv():
         linear(x, jnp.ones((K, N), jnp.bfloat16), int4_backend="pallas_interpret")
 
 
+# heads of 128: the o projection's GEMV steps (16 word rows) are one head each
 CFG = ModelConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=128,
                   max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0)
 
 
@@ -165,7 +183,7 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
     monkeypatch.setattr(linear_module, "resolve_int4_backend", interpreted)
     monkeypatch.setattr(llama, "resolve_int4_backend", interpreted)
     monkeypatch.setenv("JAXLLM_INT4_FUSION", fusion)
-    calls = {"norm": [], "add_norm": [], "gemv": []}
+    calls = {"norm": [], "add_norm": [], "merge": [], "gemv": []}
 
     def spy(name, fn):
         def counted(*args, **kwargs):
@@ -177,12 +195,15 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
                         spy("norm", int4_fusion.rmsnorm_prescale))
     monkeypatch.setattr(int4_fusion, "add_rmsnorm_prescale",
                         spy("add_norm", int4_fusion.add_rmsnorm_prescale))
+    monkeypatch.setattr(int4_fusion, "merge_prescale", spy("merge", int4_fusion.merge_prescale))
     monkeypatch.setattr(linear_module, "prescaled_gemv",
                         spy("gemv", linear_module.prescaled_gemv))
     jax.clear_caches()  # the switch is read as the forward is traced
-    ids = jnp.asarray([[3, 17, 42, 7, 99]], jnp.int32)
+    # padded to 124: 17 pages of 8 a sequence, which the decode kernel splits in two (its
+    # blocks of 64 keys)
+    ids = jnp.asarray([[3, 17, 42, 7, 99] + [0] * 119], jnp.int32)
     out = jaxllm.generate(params, ids, jnp.asarray([5]), jax.random.key(0), config=CFG,
-                          max_new_tokens=8, block_size=8)
+                          max_new_tokens=8, block_size=8, attention_backend="pallas_interpret")
     jax.clear_caches()
     monkeypatch.undo()
     return np.asarray(out.tokens), calls
@@ -193,15 +214,17 @@ def test_the_decode_step_through_the_fused_kernels_keeps_the_greedy_tokens(monke
                               dtype="bfloat16").with_layer_layout(True)
     assert model.quantization.group_size == 128
     unfused, none = greedy(model.params, monkeypatch, "off")
-    assert none == {"norm": [], "add_norm": [], "gemv": []}
+    assert none == {"norm": [], "add_norm": [], "merge": [], "gemv": []}
     fused, calls = greedy(model.params, monkeypatch, "on")
     np.testing.assert_array_equal(fused, unfused)
     layers, hidden = CFG.num_hidden_layers, CFG.hidden_size
     # the decode step (one row): the first norm has no block before it; every other adds one
-    # (the layer's attention, or the MLP of the layer before); qkv and gate_up read them
+    # (the layer's attention, or the MLP of the layer before); qkv and gate_up read them, and
+    # o the attention's merged splits
     assert calls["norm"] == [(1, hidden)]
     assert calls["add_norm"] == [(1, hidden)] * (2 * layers - 1)
-    assert calls["gemv"] == [(1, hidden)] * (2 * layers)
+    assert calls["merge"] == [(1, 2, CFG.num_attention_heads, CFG.head_dim)] * layers
+    assert calls["gemv"] == [(1, hidden)] * (3 * layers)
 
 
 @pytest.mark.gpu
@@ -227,3 +250,19 @@ def test_the_fused_kernels_compiled_equal_the_unfused_path(k, n):
     bound = BF16_ULP * np.abs(f32(h)) @ np.abs(f32(w.dequantize()))
     sums = 2 * k * 2.0**-24 * (np.abs(f32(h)) @ np.abs(f32(w.dequantize())))
     assert np.all(np.abs(f32(got) - want) <= bound + 2 * BF16_ULP * np.abs(want) + sums)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels need a GPU")
+def test_merge_prescale_compiled_is_the_decode_merge_then_the_gemv_inputs():
+    """Compiled, at the 8B decode step's splits (16 of 32 heads of 128), against XLA's merge
+    and prescale: each value within a bf16 rounding (exp2 and the sums in other orders)."""
+    rng = np.random.default_rng(5)
+    o = jnp.asarray(rng.standard_normal((1, 16, 32, 128)), jnp.float32)
+    lse = jnp.asarray(rng.standard_normal((1, 16, 32)) * 4, jnp.float32).at[0, 3].set(-jnp.inf)
+    got = jax.jit(lambda o, lse: merge_prescale(o, lse, dtype=jnp.bfloat16, pairs=True))(o, lse)
+    want = jax.jit(lambda o, lse: merge_prescale_reference(o, lse, dtype=jnp.bfloat16,
+                                                           pairs=True))(o, lse)
+    np.testing.assert_allclose(f32(got[0]), f32(want[0]), rtol=BF16_ULP, atol=0)
+    bound = BF16_ULP * np.abs(f32(want[0])).reshape(1, 32, 128).sum(-1)
+    assert np.all(np.abs(f32(got[1]) - f32(want[1])) <= bound * 1.01 + 1e-30)

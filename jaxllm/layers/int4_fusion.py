@@ -30,6 +30,7 @@ from jaxllm.env_settings import env_switch
 from jaxllm.pallas_kernels.quantized_matmul import gemv
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
     add_rmsnorm_prescale,
+    merge_prescale,
     rmsnorm_prescale,
 )
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import unsupported as norm_unsupported
@@ -77,6 +78,29 @@ def norm_prescale_layout(x: jax.Array, kernel, uses_gemv: bool,
     if layout is None or norm_unsupported(x.shape, layout[0]) is not None:
         return None
     return layout
+
+
+def attention_prescale_layout(tokens: int, kernel, head_dim: int, uses_gemv: bool,
+                              enabled: bool | None = None) -> tuple[int, bool] | None:
+    """Static: (word rows a step, pairs) of the pre-scaled x the decode attention's split
+    merge writes for this 4-bit o projection (``kernel``), or None (it writes its output):
+    the fusion on, the projection through the GEMV (``uses_gemv``) on a config reading x
+    pre-scaled in steps of one head (D / 8 word rows)."""
+    enabled = fusion_enabled() if enabled is None else enabled
+    if not (enabled and uses_gemv):
+        return None
+    k, n = kernel.shape
+    layout = gemv.prescale_layout(gemv.gemv_config(tokens, k, n, kernel.group_size), k,
+                                  kernel.group_size)
+    return layout if layout is not None and layout[0] * 8 == head_dim else None
+
+
+def merged_prescaled(o: jax.Array, lse: jax.Array, dtype, pairs: bool,
+                     interpret: bool) -> Int4Activation:
+    """The decode kernel's split-K partials (o f32[T, K, Hq, D], lse f32[T, K, Hq]) merged
+    into the o projection's pre-scaled x [T, Hq D]."""
+    xs, xsum = merge_prescale(o, lse, dtype=dtype, pairs=pairs, interpret=interpret)
+    return Int4Activation(xs, xsum, dtype, pairs)
 
 
 def rmsnorm_prescaled(x: jax.Array, weight: jax.Array, eps: float, layout: tuple[int, bool],

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.attention import (
+    resolve_backend,
     rope_kv_kernel_applies,
     rope_write_kv_and_attend,
     write_kv_and_attend,
@@ -54,7 +55,12 @@ from jaxllm.layers.fp8_kernels import (
     rmsnorm_quantized,
     swiglu_product_dtype,
 )
-from jaxllm.layers.int4_fusion import norm_prescale_layout, rmsnorm_prescaled
+from jaxllm.layers.int4_fusion import (
+    attention_prescale_layout,
+    merged_prescaled,
+    norm_prescale_layout,
+    rmsnorm_prescaled,
+)
 from jaxllm.layers.linear import (
     Int4Weight,
     in_dtype,
@@ -107,6 +113,17 @@ def norm_prescale(x: jax.Array, kernel, mesh: Mesh | None) -> tuple[int, bool] |
     return norm_prescale_layout(x, kernel, int4_kernel(x, kernel, mesh=mesh) == "gemv")
 
 
+def output_prescale(tokens: int, cfg: ModelConfig, kernel,
+                    mesh: Mesh | None) -> tuple[int, bool] | None:
+    """Static: the pre-scaled x's layout the attention writes for its 4-bit o projection
+    (:func:`jaxllm.layers.int4_fusion.attention_prescale_layout`), or None."""
+    if not isinstance(kernel, Int4Weight):
+        return None
+    x = jax.ShapeDtypeStruct((tokens, cfg.q_size), jnp.float32)
+    return attention_prescale_layout(tokens, kernel, cfg.head_dim,
+                                     int4_kernel(x, kernel, mesh=mesh) == "gemv")
+
+
 class Attention(nn.Module):
     config: ModelConfig
     dtype: Dtype
@@ -120,8 +137,12 @@ class Attention(nn.Module):
         kv_heads = cfg.num_key_value_heads
         group = cfg.num_attention_heads // kv_heads
         qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
+        # JAXLLM_INT4_FUSION: the decode kernel's splits merged by the kernel that writes the
+        # 4-bit o projection's pre-scaled x (its steps one head each)
+        o_kernel = {} if self.is_initializing() else self.variables["params"]["o_proj"]
+        o_prescale = output_prescale(qkv.shape[0], cfg, o_kernel.get("kernel"), self.mesh)
         attend = dict(scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
-                      backend=self.backend)
+                      backend=self.backend, merge=o_prescale is None)
         if rope_kv_kernel_applies(qkv, kv_pool, self.backend, self.mesh):
             out, kv_pool = rope_write_kv_and_attend(qkv, cos, sin, kv_pool, layer, batch,
                                                     **attend)
@@ -132,9 +153,13 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # [T, Hq or Hkv, D]
             out, kv_pool = write_kv_and_attend(q, k, v, kv_pool, layer, batch, mesh=self.mesh,
                                                **attend)
-        out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
+        if isinstance(out, tuple):  # the decode kernel's unmerged splits (o, lse)
+            out = merged_prescaled(*out, self.dtype, o_prescale[1],
+                                   resolve_backend(self.backend).endswith("_interpret"))
+        else:
+            out = out.reshape(-1, cfg.q_size)  # [T, Hq D]
         if not self.is_initializing():  # FP8: quantized per token in a kernel where picked
-            out = quantized_input(out, self.variables["params"]["o_proj"]["kernel"], self.mesh)
+            out = quantized_input(out, o_kernel["kernel"], self.mesh)
         return dense(cfg.hidden_size, False, "o_proj")(out), kv_pool
 
 

@@ -151,7 +151,8 @@ def combine_splits(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     return (out / jnp.where(total > 0, total, 1.0)).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret",
+                                             "merge"))
 def paged_attention_decode(
     q: jax.Array,  # [T, Hq, D]
     k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D]
@@ -166,8 +167,12 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     config: DecodeConfig | None = None,
     interpret: bool = False,
-) -> jax.Array:  # [T, Hq, D] in q.dtype
-    """Same contract as :func:`paged_attention_reference`; built for one query token a sequence."""
+    merge: bool = True,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [T, Hq, D] in q.dtype
+    """Same contract as :func:`paged_attention_reference`; built for one query token a sequence.
+    ``merge=False``: where the kernel splits the keys, its partials as they are, ``(o
+    f32[T, K, Hq, D], lse f32[T, K, Hq])``, for a consumer that merges them itself
+    (:func:`combine_splits`' contract)."""
     common.check_shapes(q, k_pool, v_pool)
     config = config or DecodeConfig()
     num_tokens, num_q_heads, head_dim = q.shape
@@ -206,6 +211,6 @@ def paged_attention_decode(
       common.flat_pool(k_pool), common.flat_pool(v_pool))
     if num_splits == 1:
         return outs[0].reshape(num_tokens, num_q_heads, head_dim)
-    o, lse = outs
-    return combine_splits(o.reshape(num_tokens, num_splits, num_q_heads, head_dim),
-                          lse.reshape(num_tokens, num_splits, num_q_heads), q.dtype)
+    o = outs[0].reshape(num_tokens, num_splits, num_q_heads, head_dim)
+    lse = outs[1].reshape(num_tokens, num_splits, num_q_heads)
+    return combine_splits(o, lse, q.dtype) if merge else (o, lse)

@@ -160,3 +160,59 @@ def add_rmsnorm_prescale_reference(
     stream = x + delta.astype(x.dtype)
     return (stream, *rmsnorm_prescale_reference(stream, weight, eps, step_words=step_words,
                                                 pairs=pairs, interpret=interpret))
+
+
+def _merge_kernel(o_ref, lse_ref, unit_ref, xs_ref, xsum_ref, *, dtype):
+    o = o_ref[...]  # f32[K, D]: split k's output, normalized over its own keys
+    lse = lse_ref[...]  # f32[K]: its log2-sum-exp (-inf: no keys)
+    top = jnp.max(lse)
+    weight = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # [K]; 0 for an empty split
+    total = jnp.sum(weight)
+    out = jnp.sum(weight[:, None] * o, axis=0) / jnp.where(total > 0, total, 1.0)  # [D]
+    h = out.astype(dtype).astype(jnp.float32)
+    xs_ref[...] = h * unit_ref[...]
+    xsum_ref[...] = jnp.sum(h * 2.0**-X_EXP, keepdims=True)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "pairs", "interpret"))
+def merge_prescale(
+    o: jax.Array,  # f32[T, K, Hq, D] the decode kernel's split-K outputs
+    lse: jax.Array,  # f32[T, K, Hq] their log2-sum-exp
+    *,
+    dtype,  # the attention output's dtype
+    pairs: bool,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:  # (xs f32[T, Hq D/8, 8], xsum f32[T, Hq])
+    """The decode attention's splits merged (``paged_attention.decode.combine_splits``: online
+    softmax's rescaling, the output rounded to ``dtype``) and written as the pre-scaled x of
+    a GEMV whose steps are one head each (D / 8 word rows), in one kernel: one program a
+    (token, head), where XLA runs the merge and the prescale as two."""
+    tokens, splits, heads, head_dim = o.shape
+    if head_dim & (head_dim - 1) or splits & (splits - 1) or head_dim < 16:
+        raise ValueError(f"splits {splits} and head dim {head_dim} must be powers of two "
+                         "(head dim >= 16)")
+    xs, xsum = pl.pallas_call(
+        functools.partial(_merge_kernel, dtype=dtype),
+        grid=(tokens, heads),
+        in_specs=[pl.BlockSpec((None, splits, None, head_dim), lambda t, h: (t, 0, h, 0)),
+                  pl.BlockSpec((None, splits, None), lambda t, h: (t, 0, h)),
+                  pl.BlockSpec((head_dim,), lambda t, h: (0,))],
+        out_specs=[pl.BlockSpec((None, None, head_dim), lambda t, h: (t, h, 0)),
+                   pl.BlockSpec((None, None, 1), lambda t, h: (t, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tokens, heads, head_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((tokens, heads, 1), jnp.float32)],
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="merge_prescale",
+    )(o, lse, jnp.asarray(_units(head_dim // PER_WORD, pairs, interpret)))
+    return xs.reshape(tokens, heads * head_dim // PER_WORD, PER_WORD), xsum[..., 0]
+
+
+def merge_prescale_reference(o, lse, *, dtype, pairs: bool, interpret: bool = False):
+    """XLA's: the splits merged (the decode kernel's ``combine_splits``), then
+    :func:`~.gemv_denormal.prescaled_inputs` in steps of one head."""
+    from ..paged_attention.decode import combine_splits
+
+    tokens, _, heads, head_dim = o.shape
+    out = combine_splits(o, lse, dtype).reshape(tokens, heads * head_dim // PER_WORD, PER_WORD)
+    return tuple(prescaled_inputs(out, head_dim // PER_WORD, pairs, interpret))
