@@ -299,9 +299,9 @@ only17() {
       $ONE --quantization awq --sequence "gemv|gemm|attention" --gemv-overrides splits_sum=last \
       --out-dir "$DIR/p1k"
     rm -rf "$DIR"/p1k/trace
-    # JAXLLM_INT4_FUSION (the residual add + RMSNorm + GEMV-input kernel: 584 -> 520 launches
-    # at one row) and JAXLLM_ROPE_KV_KERNEL (RoPE and the K/V write in one kernel: 64 fewer,
-    # any format): g10 their compiled tests; lf the one-row decode steps of bf16 (and with
+    # JAXLLM_INT4_FUSION (the residual add + RMSNorm + GEMV-input kernel and the attention's
+    # merge writing o's input: 584 -> 488 launches at one row) and JAXLLM_ROPE_KV_KERNEL (RoPE
+    # and the K/V write in one kernel: 63 fewer, any format; both: 425): g10 their compiled tests; lf the one-row decode steps of bf16 (and with
     # the RoPE kernel), AWQ, AWQ fused, AWQ fused with the RoPE kernel, with the device's busy
     # time (~2 minutes); p1f p1s's trace with both (each kernel by position)
     if picked lf || picked p1f; then

@@ -10,7 +10,10 @@ kernel takes (1-16 tokens, on a config that reads x pre-scaled) adds the block's
 the residual stream, normalizes and writes the GEMV's pre-scaled x in one kernel
 (``gemv_prescale.add_rmsnorm_prescale``; an :class:`Int4Activation`): one launch fewer a norm.
 The unrolled layers then hand the next layer the MLP's output with the stream, unadded, as
-vLLM's Llama does for its fused add + RMSNorm (``models.llama.DecoderLayer``).
+vLLM's Llama does for its fused add + RMSNorm (``models.llama.DecoderLayer``). Likewise the
+decode attention's split-K merge writes the o projection's pre-scaled x (``merge_prescale``,
+where the GEMV's steps are one head each): one launch fewer a layer for XLA's merge and
+prescale.
 
 Not the GEMVs summing their own splits (``splits_sum="last"``), which would drop the split
 sums too: on an H100 (2026-12-06, RESULTS.md) the GEMVs took 8.3 us a layer more so, more
