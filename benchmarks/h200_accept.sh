@@ -311,12 +311,13 @@ only17() {
     if grep -qE "^[0-9]+ passed" "$DIR"/g10_*.log 2>/dev/null; then
       local one="${LATENCY//$'\n'/ }"
       one="${one/1,64,256/1} --device-time"
-      local both="JAXLLM_INT4_FUSION=on JAXLLM_ROPE_KV_KERNEL=on"
-      picked lf && step lf_latency_fusion 40 300 bash -c "$PY $one --output-json $DIR/lf_bf16.json; \
-        JAXLLM_ROPE_KV_KERNEL=on $PY $one --output-json $DIR/lf_bf16_rope.json; \
-        $PY $one -q awq --output-json $DIR/lf_awq.json; JAXLLM_INT4_FUSION=on $PY $one -q awq \
-        --output-json $DIR/lf_awq_fused.json; env $both $PY $one -q awq \
-        --output-json $DIR/lf_awq_fused_rope.json"
+      local both="JAXLLM_INT4_FUSION=on JAXLLM_ROPE_KV_KERNEL=on"  # the defaults since 2026-12-06
+      local none="JAXLLM_INT4_FUSION=off JAXLLM_ROPE_KV_KERNEL=off"
+      picked lf && step lf_latency_fusion 40 300 bash -c "env $none $PY $one \
+        --output-json $DIR/lf_bf16.json; env $both $PY $one --output-json $DIR/lf_bf16_rope.json; \
+        env $none $PY $one -q awq --output-json $DIR/lf_awq.json; \
+        env $none JAXLLM_INT4_FUSION=on $PY $one -q awq --output-json $DIR/lf_awq_fused.json; \
+        env $both $PY $one -q awq --output-json $DIR/lf_awq_fused_rope.json"
       picked p1f && step p1f_profile_awq_b1_fused 70 150 env $both $PY \
         -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
         --sequence "gemv|gemm|attention|rmsnorm|rope" --out-dir "$DIR/p1f"

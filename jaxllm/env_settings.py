@@ -1,15 +1,16 @@
 """How the ``JAXLLM_*`` switches that change compiled programs are read from the environment:
-a value from a fixed set, "off" when unset or blank, surrounding spaces ignored, and a clear
-error naming the variable for anything else. What each switch does is documented beside its
-use; every one is listed in the executable cache's key (``executable_cache.PROGRAM_ENV``)."""
+a value from a fixed set, its default ("off" unless the switch says) when unset or blank,
+surrounding spaces ignored, and a clear error naming the variable for anything else. What
+each switch does is documented beside its use; every one is listed in the executable cache's
+key (``executable_cache.PROGRAM_ENV``)."""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
 
-def _value(environ: Mapping[str, str], name: str) -> str:
-    return environ.get(name, "").strip() or "off"
+def _value(environ: Mapping[str, str], name: str, default: str = "off") -> str:
+    return environ.get(name, "").strip() or default
 
 
 def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str]) -> str:
@@ -20,9 +21,9 @@ def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str]) 
     return value
 
 
-def env_switch(environ: Mapping[str, str], name: str) -> bool:
-    """Whether the on/off switch ``name`` is "on"."""
-    value = _value(environ, name)
+def env_switch(environ: Mapping[str, str], name: str, default: str = "off") -> bool:
+    """Whether the on/off switch ``name`` is "on" (``default`` when unset)."""
+    value = _value(environ, name, default)
     if value not in ("off", "on"):
         raise ValueError(f"{name}={value!r} must be 'off' or 'on'")
     return value == "on"

@@ -139,9 +139,10 @@ def test_the_gemv_over_prescaled_x_is_the_gemv(name):
 
 
 def test_the_switch_is_read_with_a_clear_error(monkeypatch):
+    monkeypatch.delenv("JAXLLM_INT4_FUSION", raising=False)
+    assert int4_fusion.fusion_enabled()  # on by default
+    monkeypatch.setenv("JAXLLM_INT4_FUSION", "off")
     assert not int4_fusion.fusion_enabled()
-    monkeypatch.setenv("JAXLLM_INT4_FUSION", "on")
-    assert int4_fusion.fusion_enabled()
     monkeypatch.setenv("JAXLLM_INT4_FUSION", "yes")
     with pytest.raises(ValueError, match="JAXLLM_INT4_FUSION='yes' must be 'off' or 'on'"):
         int4_fusion.fusion_enabled()

@@ -67,9 +67,11 @@ def test_what_the_kernel_does_not_take():
 def test_the_switch_and_where_it_applies(monkeypatch):
     qkv, *_, k_pool, v_pool = case(1, 2, 4, 64)
     pool = attention.KVPool(k=k_pool, v=v_pool)
+    monkeypatch.delenv("JAXLLM_ROPE_KV_KERNEL", raising=False)
+    assert attention.rope_kv_kernel_applies(qkv, pool, "pallas_interpret", None)  # default
+    monkeypatch.setenv("JAXLLM_ROPE_KV_KERNEL", "off")
     assert not attention.rope_kv_kernel_applies(qkv, pool, "pallas_interpret", None)
     monkeypatch.setenv("JAXLLM_ROPE_KV_KERNEL", "on")
-    assert attention.rope_kv_kernel_applies(qkv, pool, "pallas_interpret", None)
     assert not attention.rope_kv_kernel_applies(qkv, pool, "reference", None)
     many = jnp.zeros((attention.ROPE_KV_KERNEL_MAX_TOKENS + 1, qkv.shape[1]), qkv.dtype)
     assert not attention.rope_kv_kernel_applies(many, pool, "pallas_interpret", None)
