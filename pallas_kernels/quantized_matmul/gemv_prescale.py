@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..paged_attention.decode import combine_splits
 from .gemv_denormal import X_EXP, nibble_units, prescaled_inputs
 from .reference import PER_WORD
 
@@ -211,8 +212,6 @@ def merge_prescale(
 def merge_prescale_reference(o, lse, *, dtype, pairs: bool, interpret: bool = False):
     """XLA's: the splits merged (the decode kernel's ``combine_splits``), then
     :func:`~.gemv_denormal.prescaled_inputs` in steps of one head."""
-    from ..paged_attention.decode import combine_splits
-
     tokens, _, heads, head_dim = o.shape
     out = combine_splits(o, lse, dtype).reshape(tokens, heads * head_dim // PER_WORD, PER_WORD)
     return tuple(prescaled_inputs(out, head_dim // PER_WORD, pairs, interpret))
