@@ -9,6 +9,8 @@ int4 GEMM (no bf16 copy of the weight); :func:`int4_matmul_hopper` (hopper.py) i
 kernel for Hopper with the weight as wgmma's register operand (timed alone on the H200; the
 engine's under ``JAXLLM_INT4_HOPPER=on``, not yet timed there), and :func:`int4_gemv_nk`
 (gemv_nk.py) the GEMV over that N-major weight for 1-4 tokens beside it.
+:func:`~.gemv.int4_gemv_prescaled` is the GEMV over an x another kernel pre-scaled: the RMSNorm
+(with the residual add) or the decode attention's split merge (gemv_prescale.py).
 :func:`gemv_unsupported` and :func:`unsupported` say why a shape cannot go through the Triton
 kernels (callers then use the reference).
 """
