@@ -5,7 +5,8 @@ Every implementation has the signature of :func:`paged_attention_reference` (the
 :func:`paged_attention_prefill` (chunks of query tokens, causal over cached pages) are Pallas
 kernels for the Triton GPU backend; :func:`paged_attention_mixed` runs both over one batch
 (decodes and last tokens through the first, the rest through the second); pass
-``interpret=True`` to run them on CPU.
+``interpret=True`` to run them on CPU. ``rope_kv_write.py`` turns a small step's fused qkv
+row into their inputs (RoPE on q and k, K/V written into the pool) in one kernel.
 """
 
 from .common import is_fp8, kernels_support
