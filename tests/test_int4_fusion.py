@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxllm.pallas_kernels.activation_quant.reference import rmsnorm_reference
 from jaxllm.pallas_kernels.quantized_matmul.gemv import (
     Int4GemvConfig,
     gemv_config,
@@ -162,9 +163,7 @@ def test_prescaled_activations_go_only_to_a_4bit_gemv():
     assert stream.shape == (1, K) and isinstance(x, Int4Activation)
     # linear takes it to the GEMV: the GEMV of the normed row, to its rounding
     got = linear(x, w, int4_backend="pallas_interpret")
-    xf = stream.astype(jnp.float32)
-    normed = norm_w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)
-                       ).astype(jnp.bfloat16)
+    normed = rmsnorm_reference(stream, norm_w, 1e-5)
     want = int4_gemv(normed, w.qweight, w.scales, w.zeros, group_size=GROUP, interpret=True)
     np.testing.assert_allclose(f32(got), f32(want), rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
     with pytest.raises(TypeError, match="pre-scaled activations need a 4-bit weight"):
@@ -243,8 +242,7 @@ def test_the_fused_kernels_compiled_equal_the_unfused_path(k, n):
     got = int4_gemv_prescaled(xs, xsum, w.qweight, w.scales, w.zeros, dtype=x.dtype,
                               pairs=layout[1], group_size=GROUP)
     np.testing.assert_array_equal(f32(stream), f32(x + delta))
-    xf = stream.astype(jnp.float32)
-    h = norm_w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+    h = rmsnorm_reference(stream, norm_w, 1e-5)
     want = f32(int4_matmul_reference(h, w.qweight, w.scales, w.zeros, group_size=GROUP))
     # a normalized value may round the other way: each moves the product by <= 2^-7 |h w|;
     # then both round to bf16 and sum k products in other orders

@@ -73,13 +73,7 @@ def norm_prescale_layout(x: jax.Array, kernel, uses_gemv: bool,
     writes x): the fusion on (``enabled``, by default the environment's), the projection
     through the GEMV (``uses_gemv``: linear.int4_kernel's answer) on a config reading x
     pre-scaled, and a row the norm kernel takes."""
-    enabled = fusion_enabled() if enabled is None else enabled
-    if not (enabled and uses_gemv):
-        return None
-    k, n = kernel.shape
-    # gemv's own pick, looked up there (step_profile --gemv-overrides patches it)
-    layout = gemv.prescale_layout(gemv.gemv_config(x.shape[0], k, n, kernel.group_size), k,
-                                  kernel.group_size)
+    layout = _gemv_layout(x.shape[0], kernel, uses_gemv, enabled)
     if layout is None or norm_unsupported(x.shape, layout[0]) is not None:
         return None
     return layout
@@ -91,13 +85,22 @@ def attention_prescale_layout(tokens: int, kernel, head_dim: int, uses_gemv: boo
     merge writes for this 4-bit o projection (``kernel``), or None (it writes its output):
     the fusion on, the projection through the GEMV (``uses_gemv``) on a config reading x
     pre-scaled in steps of one head (D / 8 word rows)."""
+    layout = _gemv_layout(tokens, kernel, uses_gemv, enabled)
+    return layout if layout is not None and layout[0] * 8 == head_dim else None
+
+
+def _gemv_layout(tokens: int, kernel, uses_gemv: bool,
+                 enabled: bool | None) -> tuple[int, bool] | None:
+    """The pre-scaled x's layout the GEMV reads for ``tokens`` tokens of this 4-bit projection,
+    where the fusion is on (``enabled``, by default the environment's) and the projection goes
+    through the GEMV (``uses_gemv``); else None."""
     enabled = fusion_enabled() if enabled is None else enabled
     if not (enabled and uses_gemv):
         return None
     k, n = kernel.shape
-    layout = gemv.prescale_layout(gemv.gemv_config(tokens, k, n, kernel.group_size), k,
-                                  kernel.group_size)
-    return layout if layout is not None and layout[0] * 8 == head_dim else None
+    # gemv's own pick, looked up there (step_profile --gemv-overrides patches it)
+    return gemv.prescale_layout(gemv.gemv_config(tokens, k, n, kernel.group_size), k,
+                                kernel.group_size)
 
 
 def merged_prescaled(o: jax.Array, lse: jax.Array, dtype, pairs: bool,

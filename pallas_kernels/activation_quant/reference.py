@@ -52,6 +52,12 @@ def rmsnorm_quantize_fp8_reference(
     rounded to x's dtype, then times the weight in that dtype), quantized per token (absmax /
     448) as :func:`jaxllm.layers.linear.quantize_tokens_fp8` does."""
     del interpret
+    return quantize_rows_fp8(rmsnorm_reference(x, weight, eps))
+
+
+def rmsnorm_reference(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:  # [T, H]
+    """RMSNorm of ``x`` [T, H] as ``models.llama.RMSNorm`` computes it: float32 statistics,
+    the normalized row rounded to x's dtype, then times ``weight`` [H] (the model dtype)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return quantize_rows_fp8(weight * xf.astype(x.dtype))
+    return weight * xf.astype(x.dtype)

@@ -13,8 +13,8 @@ one head of one token::
                         h = G:      k_pool[layer, slot t] [j] = y      (slot < 0: no write)
                         h = G + 1:  v_pool[layer, slot t] [j] = y
 
-The rotation is :func:`jaxllm.models.rope.apply_rope`'s (rotate-half: cos/sin [T, D], both
-halves' angles given). :func:`rope_kv_write` has the signature of
+The rotation is :func:`rotate_half`, the model's (cos/sin [T, D], both halves' angles
+given). :func:`rope_kv_write` has the signature of
 :func:`rope_kv_write_reference`; a pool of another dtype than qkv's (the FP8 KV cache) is not
 taken (:func:`unsupported`).
 """
@@ -132,8 +132,9 @@ def rope_kv_write(
             v.reshape(v_pool.shape))
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE (rotate-half) of x [T, H, D] by cos / sin [T, D], in float32, as the model's."""
+def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE (rotate-half) of x [T, H, D] by cos / sin [T, D], computed in float32: the model's
+    (``models.rope.apply_rope`` is this)."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -143,15 +144,15 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def rope_kv_write_reference(qkv, cos, sin, k_pool, v_pool, layer, slot_mapping, *,
                             interpret: bool = False):
     """The model's steps in XLA: the qkv row split into heads, RoPE on q and k
-    (``models.rope.apply_rope``'s), K and V set at their slots (``kv_pool.write_kv``'s:
+    (:func:`rotate_half`), K and V set at their slots (``kv_pool.write_kv``'s:
     slots < 0 write nothing)."""
     del interpret
     num_blocks, block_size, kv_heads, head_dim = k_pool.shape[1:]
     tokens = qkv.shape[0]
     heads = qkv.reshape(tokens, kv_heads, -1, head_dim)  # [T, Hkv, G + 2, D]
     group = heads.shape[2] - 2
-    q = _rotate(heads[:, :, :group].reshape(tokens, -1, head_dim), cos, sin)
-    k = _rotate(heads[:, :, group], cos, sin)
+    q = rotate_half(heads[:, :, :group].reshape(tokens, -1, head_dim), cos, sin)
+    k = rotate_half(heads[:, :, group], cos, sin)
     blocks = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     offsets = slot_mapping % block_size
     write = lambda pool, x: pool.at[layer, blocks, offsets].set(x.astype(pool.dtype),

@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..activation_quant.reference import rmsnorm_reference
 from ..paged_attention.decode import combine_splits
 from .gemv_denormal import X_EXP, nibble_units, prescaled_inputs
 from .reference import PER_WORD
@@ -144,9 +145,7 @@ def rmsnorm_prescale_reference(
     """RMSNorm as ``models.llama.RMSNorm`` computes it (float32 statistics, the normalized row
     rounded to x's dtype, then times the weight in that dtype), then the GEMV's inputs as XLA
     writes them before the call (:func:`~.gemv_denormal.prescaled_inputs`)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    h = weight.astype(x.dtype) * xf.astype(x.dtype)
+    h = rmsnorm_reference(x, weight.astype(x.dtype), eps)
     tokens, hidden = x.shape
     return tuple(prescaled_inputs(h.reshape(tokens, hidden // PER_WORD, PER_WORD), step_words,
                                   pairs, interpret))
