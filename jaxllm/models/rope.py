@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.model_config import ModelConfig
-from jaxllm.pallas_kernels.paged_attention.rope_kv_write import rotate_half
 
 
 def inverse_frequencies(config: ModelConfig) -> np.ndarray:
@@ -42,6 +41,9 @@ def rope_cos_sin(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, 
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotates x: [T, H, D] by cos/sin [T, D], computing in float32 like the reference (the
-    one rotation, shared with the RoPE + K/V write kernel's reference)."""
-    return rotate_half(x, cos, sin)
+    """Rotates x: [T, H, D] by cos/sin [T, D], computing in float32 like the reference."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    out = xf * cos[:, None, :] + rotated * sin[:, None, :]
+    return out.astype(x.dtype)

@@ -133,8 +133,9 @@ def rope_kv_write(
 
 
 def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """RoPE (rotate-half) of x [T, H, D] by cos / sin [T, D], computed in float32: the model's
-    (``models.rope.apply_rope`` is this)."""
+    """RoPE (rotate-half) of x [T, H, D] by cos / sin [T, D], computed in float32:
+    ``models.rope.apply_rope``'s steps, repeated here because the kernels import nothing of
+    the model (tests/test_layering.py)."""
     half = x.shape[-1] // 2
     xf = x.astype(jnp.float32)
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
