@@ -323,6 +323,24 @@ only17() {
         --sequence "gemv|gemm|attention|rmsnorm|rope" --out-dir "$DIR/p1f"
       rm -rf "$DIR"/p1f/trace
     fi
+    # ll: the one-row step's launch with its commands' buffers kept in place, bf16 and AWQ at
+    # the defaults: as is; the batch staged (JAXLLM_STAGE_STEP_INPUT); staged with the
+    # temporaries in their own stream-ordered pool (XLA's temp_buffer_use_separate_color: the
+    # same address every step, BFC statistics kept); staged under SKIP_TEMP (VMM) (~3 minutes)
+    if picked ll; then
+      local one="${LATENCY//$'\n'/ }"
+      one="${one/1,64,256/1} --device-time"
+      local color="--xla_gpu_temp_buffer_use_separate_color=true"
+      local skip="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+      step ll_launch_in_place 60 330 bash -c "for q in bf16 awq; do \
+        quant=\$( [ \$q = awq ] && echo '-q awq' ); \
+        $PY $one \$quant --output-json $DIR/ll_\${q}.json; \
+        JAXLLM_STAGE_STEP_INPUT=on $PY $one \$quant --output-json $DIR/ll_\${q}_staged.json; \
+        JAXLLM_STAGE_STEP_INPUT=on XLA_FLAGS='$color' $PY $one \$quant \
+          --output-json $DIR/ll_\${q}_staged_color.json; \
+        JAXLLM_STAGE_STEP_INPUT=on XLA_FLAGS='$skip' $PY $one \$quant \
+          --output-json $DIR/ll_\${q}_staged_skip_temp.json; done"
+    fi
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
