@@ -55,6 +55,23 @@ GEMV_CANDIDATE_TABLES = {"loads_first": {
     # together, 896 programs of 4 / 2 steps (the table's: 2.38, 3 loads, 64 registers)
     "gate_up_256": {(1, 4096, 28672): dict(block_n=256, num_warps=2, loads_first=True)},
     "gate_up_4warps": {(1, 4096, 28672): dict(block_n=512, num_warps=4, loads_first=True)},
+    # gate_up and down (together 72% of the GEMVs' device time in the H100's fused step,
+    # 2026-12-06; 66% and 56% of the copy rate there): more programs of fewer steps, down's
+    # prefetched 8-row steps for gate_up, and the cache told to drop the weights first
+    "gate_up_256_k8_prefetch": {(1, 4096, 28672): dict(block_n=256, num_warps=2, block_words=8,
+                                                        prefetch=True, loads_first=True)},
+    "gate_up_512_k8_prefetch": {(1, 4096, 28672): dict(block_n=512, num_warps=2, block_words=8,
+                                                        prefetch=True)},
+    "gate_up_256_one_step": {(1, 4096, 28672): dict(block_n=256, num_warps=2, loads_first=True,
+                                                     target_programs=4096, max_splits=32)},
+    "gate_up_512_evict": {(1, 4096, 28672): dict(block_n=512, num_warps=2, evict_first=True)},
+    # (down's 224 steps of 8 word rows allow at most 32 splits: more programs take narrower
+    # column blocks)
+    "down_128_1warp": {(1, 14336, 4096): dict(block_n=128, num_warps=1, block_words=8,
+                                               prefetch=True, loads_first=True,
+                                               target_programs=1024)},
+    "down_evict": {(1, 14336, 4096): dict(block_n=256, num_warps=2, block_words=8,
+                                           prefetch=True, loads_first=True, evict_first=True)},
 }
 # The Hopper kernel's pipeline depth and step size against config_for's (at a few tokens a
 # program's [128, 128] int4 weight tile is 8 KB a step: how many bytes each SM keeps in flight)

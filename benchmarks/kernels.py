@@ -242,6 +242,14 @@ SWEEP = {  # name: kv<block_kv>_w<warps>_s<stages>[_k<splits>]
     "kv128_w4_s3_k1": _dc(128, 4, 3, 1),
     "kv128_w4_s2_k4": _dc(128, 4, 2, 4),
     "kv64_w4_s3_k1": _dc(64, 4, 3, 1),
+    # one sequence (the batch-1 decode step: Llama-3-8B's 8 KV heads give 8 x splits programs,
+    # at most 16 splits of 64 keys over 1,024 cached tokens): smaller key blocks, more splits
+    "kv32_w4_s3_k32": _dc(32, 4, 3, 32),
+    "kv32_w2_s2_k32": _dc(32, 2, 2, 32),
+    "kv16_w4_s2_k64": _dc(16, 4, 2, 64),
+    "kv16_w2_s2_k64": _dc(16, 2, 2, 64),
+    "kv16_w1_s1_k64": _dc(16, 1, 1, 64),
+    "kv32_w4_s3_k16": _dc(32, 4, 3, 16),
 }
 
 
@@ -294,6 +302,9 @@ def main() -> int:
     parser.add_argument("--no-prefill", action="store_true", help="decode only")
     parser.add_argument("--heads", default=None,
                         help=f"comma-separated subset of the decode head shapes {PLAN.heads}")
+    parser.add_argument("--sweep-points", default=None,
+                        help="the decode sweep's points as BATCH:CONTEXT[,...] (Llama-3-8B "
+                        "heads) instead of the plan's, e.g. 1:1024 for the batch-1 step")
     parser.add_argument("--budget-s", type=float, default=400.0,
                         help="past this, skip the remaining sweeps and comparisons")
     args = parser.parse_args()
@@ -308,6 +319,14 @@ def main() -> int:
         if unknown:
             parser.error(f"--heads: unknown {sorted(unknown)}; choose from {PLAN.heads}")
         PLAN = dataclasses.replace(PLAN, heads=tuple(args.heads.split(",")))
+    if args.sweep_points:
+        try:
+            points = tuple((int(b), int(c), "llama3_8b") for b, c in
+                           (p.split(":") for p in args.sweep_points.split(",")))
+        except ValueError:
+            parser.error(f"--sweep-points: expected BATCH:CONTEXT[,...], got "
+                         f"{args.sweep_points!r}")
+        PLAN = dataclasses.replace(PLAN, sweep_points=points)
     if args.no_prefill:
         PLAN = dataclasses.replace(PLAN, prefill_points=())
     start = time.time()
