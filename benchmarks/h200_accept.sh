@@ -343,11 +343,12 @@ only17() {
     fi
     # kt: batch-1 kernel candidates timed alone: the decode attention's key blocks and splits
     # over one sequence of 1,024 tokens (kernels' sweep), gate_up's and down's GEMV candidate
-    # tables (int4_configs; ~4 minutes)
+    # tables (int4_configs), each by its device time in a profiler trace (~4 minutes)
     picked kt && step kt_decode_b1_sweep 60 200 $PY -m jaxllm.benchmarks.kernels --acceptance \
-      --no-prefill --no-jax --sweep-points 1:1024 --out "$DIR/kt_decode_b1.json"
+      --no-prefill --no-jax --sweep-points 1:1024 --device-time --out "$DIR/kt_decode_b1.json"
     picked kt && step kt_gemv_candidates 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
-      --shapes gate_up,down --tokens 1 --gemv-modes --copies 8 --output-json "$DIR/kt_gemv.json"
+      --shapes gate_up,down --tokens 1 --gemv-modes --copies 8 --device-time \
+      --output-json "$DIR/kt_gemv.json"
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"

@@ -209,6 +209,7 @@ def _write(result: dict, path: str | None) -> None:
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
+    from jaxllm.benchmarks.latency import traced_busy_s
     from jaxllm.benchmarks.provenance import source_commit
     from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference
     from jaxllm.pallas_kernels.quantized_matmul.hopper import hopper_weight
@@ -265,6 +266,9 @@ def run(args) -> dict:
                         half = _time(many, [a[:copies // 2] for a in fargs], args.iters)
                         us = 1e6 * (full - half) / (copies - copies // 2)
                         row["us_raw"] = 1e6 * full / copies
+                        if args.device_time:  # the projection's kernels, from a trace
+                            row["us_wall"] = us
+                            us = 1e6 * traced_busy_s(many, fargs, args.iters) / copies
                     except Exception as e:  # one variant failing must not end the sweep
                         row["error"] = f"{type(e).__name__}: {e}"[:500]
                         print(f"{model:<6}{shape:<8}{tokens:>6}  {name:<22} FAILED "
@@ -344,6 +348,11 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper-sweep", action="store_true",
                         help="with --hopper: also its pipeline depths and step sizes "
                         "(HOPPER_SWEEP; a config past the shared memory fails alone)")
+    parser.add_argument("--device-time", action="store_true",
+                        help="us = the device's busy time a projection (its kernels and "
+                        "XLA's ops around them, from a profiler trace of the --copies "
+                        "program), not the wall-clock difference (us_wall); for hosts "
+                        "slower than the calls")
     parser.add_argument("--interpret", action="store_true",
                         help="kernels in interpret mode (a CPU smoke run: --models tiny)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failed variants")

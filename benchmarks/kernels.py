@@ -64,6 +64,8 @@ class Plan:
     # False (--dispatch-included): a call's time is the whole program's wall over its N calls,
     # the launch of the program included (issue 17's "timed end to end").
     subtract_dispatch: bool = True
+    # --device-time: each call's kernels' busy time from a profiler trace, not the wall
+    device_time: bool = False
 
 
 PLAN = Plan()
@@ -109,8 +111,13 @@ def dispatch_time() -> float:
 
 
 def time_per_call(call, num_calls: int, args) -> float:
-    """Seconds per call of ``call(i, *args)`` (N independent calls in one program)."""
+    """Seconds per call of ``call(i, *args)`` (N independent calls in one program); with
+    ``PLAN.device_time`` the device's busy time from a profiler trace."""
     program = jax.jit(lambda *a: [call(i, *a) for i in range(num_calls)])
+    if PLAN.device_time:
+        from jaxllm.benchmarks.latency import traced_busy_s
+
+        return traced_busy_s(program, args) / num_calls
     dispatch = dispatch_time() if PLAN.subtract_dispatch else 0.0
     return max(run_timed(program, args) - dispatch, 1e-9) / num_calls
 
@@ -302,6 +309,9 @@ def main() -> int:
     parser.add_argument("--no-prefill", action="store_true", help="decode only")
     parser.add_argument("--heads", default=None,
                         help=f"comma-separated subset of the decode head shapes {PLAN.heads}")
+    parser.add_argument("--device-time", action="store_true",
+                        help="time each call by the device's busy time in a profiler trace "
+                        "(the kernels alone), for hosts slower than the calls")
     parser.add_argument("--sweep-points", default=None,
                         help="the decode sweep's points as BATCH:CONTEXT[,...] (Llama-3-8B "
                         "heads) instead of the plan's, e.g. 1:1024 for the batch-1 step")
@@ -319,6 +329,8 @@ def main() -> int:
         if unknown:
             parser.error(f"--heads: unknown {sorted(unknown)}; choose from {PLAN.heads}")
         PLAN = dataclasses.replace(PLAN, heads=tuple(args.heads.split(",")))
+    if args.device_time:
+        PLAN = dataclasses.replace(PLAN, device_time=True)
     if args.sweep_points:
         try:
             points = tuple((int(b), int(c), "llama3_8b") for b, c in

@@ -235,6 +235,22 @@ def device_busy_s(trace_dir: str) -> float:
     return device["busy_ms"] / 1e3
 
 
+def traced_busy_s(fn, args, reps: int = 5) -> float:
+    """The device's busy seconds a call of ``fn(*args)`` (warm): ``reps`` calls launched back
+    to back under the profiler, :func:`device_busy_s` of their trace over ``reps``. A host
+    slower than the calls cannot inflate it, as it does a wall-clock time."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        try:
+            jax.block_until_ready([fn(*args) for _ in range(reps)])
+        finally:
+            jax.profiler.stop_trace()
+        return device_busy_s(trace_dir) / reps
+
+
 def run(args: argparse.Namespace) -> dict:
     import jax
     from tqdm.auto import tqdm
