@@ -304,7 +304,7 @@ only17() {
     # and the K/V write in one kernel: 63 fewer, any format; both: 425): g10 their compiled tests; lf the one-row decode steps of bf16 (and with
     # the RoPE kernel), AWQ, AWQ fused, AWQ fused with the RoPE kernel, with the device's busy
     # time (~2 minutes); p1f p1s's trace with both (each kernel by position)
-    if picked lf || picked p1f; then
+    if picked lf || picked p1f || picked p1e; then
       step g10_fusion_tests 60 150 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/test_int4_fusion.py tests/test_rope_kv_write.py
     fi
@@ -322,6 +322,11 @@ only17() {
         -m jaxllm.benchmarks.step_profile $ONE --quantization awq \
         --sequence "gemv|gemm|attention|rmsnorm|rope" --out-dir "$DIR/p1f"
       rm -rf "$DIR"/p1f/trace
+      # p1e: p1f with gate_up's and down's weights read evict-first (int4_configs' "evict")
+      picked p1e && step p1e_profile_awq_b1_evict 70 150 env $both $PY \
+        -m jaxllm.benchmarks.step_profile $ONE --quantization awq --gemv-overrides table=evict \
+        --sequence "gemv|gemm|attention|rmsnorm|rope" --out-dir "$DIR/p1e"
+      rm -rf "$DIR"/p1e/trace
     fi
     # ll: the one-row step's launch with its commands' buffers kept in place, bf16 and AWQ at
     # the defaults: as is; the batch staged (JAXLLM_STAGE_STEP_INPUT); staged with the

@@ -70,6 +70,10 @@ GEMV_CANDIDATE_TABLES = {"loads_first": {
     "down_128_1warp": {(1, 14336, 4096): dict(block_n=128, num_warps=1, block_words=8,
                                                prefetch=True, loads_first=True,
                                                target_programs=1024)},
+    # kt's two fastest by device time (H100, 2026-12-06): the cache told to drop both
+    "evict": {(1, 4096, 28672): dict(block_n=512, num_warps=2, evict_first=True),
+              (1, 14336, 4096): dict(block_n=256, num_warps=2, block_words=8, prefetch=True,
+                                     loads_first=True, evict_first=True)},
     "down_evict": {(1, 14336, 4096): dict(block_n=256, num_warps=2, block_words=8,
                                            prefetch=True, loads_first=True, evict_first=True)},
 }
