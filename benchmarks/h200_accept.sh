@@ -354,6 +354,13 @@ only17() {
     picked kt && step kt_gemv_candidates 60 240 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 1 --gemv-modes --copies 8 --device-time \
       --output-json "$DIR/kt_gemv.json"
+    # l2: a one-token GEMV's device time with its weight just read into L2 by an XLA reduction
+    # against after another weight's (l2_prefetch: the bound of reading the next projection's
+    # weight during the attention's window; ~2 minutes)
+    picked l2 && step l2_prefetch 60 240 bash -c "$PY -m jaxllm.benchmarks.l2_prefetch \
+      --shapes o,qkv,down --fractions 1,0.5 --output-json $DIR/l2_small.json && \
+      $PY -m jaxllm.benchmarks.l2_prefetch --shapes gate_up --fractions 0.5,0.25 \
+      --output-json $DIR/l2_gate_up.json"
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
