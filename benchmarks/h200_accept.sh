@@ -173,7 +173,7 @@ only17() {
       E1_CONFIGS='bf16:1 awq:1' E1_TAG=skip_temp_ staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, the o projection's input, and forwards through them)
-    picked m8 && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
+    { picked m8 || picked l8k; } && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
       tests/test_activation_quant_kernels.py tests/test_rows_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
@@ -222,9 +222,12 @@ only17() {
         swiglu=$($PY -m jaxllm.benchmarks.fp8_mlp --pick-from "$DIR/m8_fp8_mlp.json" 2>/dev/null)
         [ "$swiglu" = bf16 ] || swiglu=f32
         local kernels="env JAXLLM_FP8_NORM_KERNEL=on JAXLLM_FP8_SWIGLU_KERNEL=$swiglu"
-        picked l8k && step l8k_fp8_kernels_small 40 240 bash -c "$PY $small -q fp8 \
-          --output-json $DIR/l8k_xla.json; $kernels $PY $small -q fp8 \
-          --output-json $DIR/l8k_kernels_$swiglu.json"
+        # (with the device's time: a slow host's launch must not decide; the norm kernel
+        # alone too, as the SwiGLU one never beat XLA's passes in m8)
+        picked l8k && step l8k_fp8_kernels_small 40 300 bash -c "$PY $small --device-time \
+          -q fp8 --output-json $DIR/l8k_xla.json; JAXLLM_FP8_NORM_KERNEL=on $PY $small \
+          --device-time -q fp8 --output-json $DIR/l8k_norm.json; $kernels $PY $small \
+          --device-time -q fp8 --output-json $DIR/l8k_kernels_$swiglu.json"
         picked t1fs && step t1fs_sharegpt_fp8_kernels_$swiglu 150 300 $kernels $PY $TIMELINE \
           --dataset-name sharegpt-like --quantization fp8 \
           --output-json "$DIR/t1fs_sharegpt_fp8_kernels_$swiglu.json"
