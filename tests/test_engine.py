@@ -243,6 +243,25 @@ def test_no_recompilation_after_warm_up(model, unroll_layers, tmp_path, caplog, 
         assert out.outputs[0].token_ids == reference(tuple(prompt), m)
 
 
+def test_warm_up_drops_the_step_programs_traces(model):
+    """Once every bucket is compiled, JAX's traces of the step programs (millions of Python
+    objects for an unrolled model, walked by every full garbage collection) are dropped: a
+    second ``lower`` of a warmed signature traces again, and a third hits the cache anew."""
+    engine = make_engine(model, **SMALL_POOL, enforce_eager=False)
+    runner = engine.runner
+    _, jitted, args, static, _ = runner._forward_inputs(runner.buckets.all_shapes()[0])
+    traces = []
+    listener = lambda name, *_, **__: traces.append(name) if "trace" in name else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        jitted.lower(*args, **static)
+        retraced, traces[:] = bool(traces), []
+        jitted.lower(*args, **static)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert retraced and traces == []
+
+
 def test_bad_requests_are_refused_with_clear_errors(model):
     engine = make_engine(model)
     with pytest.raises(ValueError, match="out of vocabulary"):

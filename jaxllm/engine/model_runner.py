@@ -167,6 +167,7 @@ class ModelRunner:
                 bar.update(1)
                 if done == len(cached):
                     loaded_at = time.perf_counter()
+        self._drop_traces()
         self.warm_up_report = {"programs": len(jobs), "cached": len(cached),
                                "load_seconds": loaded_at - start,
                                "compile_seconds": time.perf_counter() - loaded_at}
@@ -198,6 +199,17 @@ class ModelRunner:
         jax.block_until_ready(results)
         self.num_forwards = self.num_steps = 0  # counted from the first real step
 
+    def _drop_traces(self) -> None:
+        """Drops what JAX keeps of tracing the step programs once they are compiled (their
+        jaxprs, kept for another ``lower`` of the same signature, which the runner never
+        makes: it holds the executables). For an unrolled model that is millions of Python
+        objects (SmolLM2's 30 layers: 4.35 M tracked after warm-up, 0.46 M without them),
+        which every full garbage collection walks: one took 1.3 s of an offline run's step on
+        the H200 (RESULTS.md, 2026-12-06). JAX's ``clear_cache`` also empties its shared
+        cache of traced signatures: another function's next ``lower`` traces again."""
+        for program in (self._programs.forward, self._programs.sample):
+            program.clear_cache()
+
     def _count_compilation(self, exe) -> None:
         temp = int(getattr(exe.memory_analysis(), "temp_size_in_bytes", 0) or 0)
         with self._compile_lock:  # warm-up compiles from several threads
@@ -217,6 +229,8 @@ class ModelRunner:
             self._count_compilation(exe)
             if pooling and self.num_steps:
                 logger.info("compiled the pooling forward for %s", shape)
+            if self.num_steps:  # after warm-up (its compiling threads share the caches)
+                self._drop_traces()
         return entry
 
     def _sampler_executable(self, key: tuple[int, int, SampleVariant]):
@@ -230,6 +244,7 @@ class ModelRunner:
             if self.num_steps:
                 logger.info("compiled sampler variant rows=%d penalty_width=%d %s", rows,
                             width, variant)
+                self._drop_traces()
         return exe
 
     def _forward_inputs(self, shape: StepShape, pooling: bool = False):
