@@ -22,10 +22,7 @@ reader): the GEMV with its own weight touched against the GEMV after the other t
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import os
-import tempfile
 
 from jaxllm.benchmarks.int4_matmul import SHAPES, _weights
 
@@ -60,20 +57,9 @@ def _program(group: int, fraction: float, own: bool):
 
 def _kernel_us(fn, args, copies: int, reps: int) -> dict:
     """Device us a copy by kernel group: 'gemv' (the Pallas GEMV), 'other' (XLA's ops)."""
-    import jax
-    from jaxllm.benchmarks.step_profile import summarize_trace
+    from jaxllm.benchmarks.latency import traced_calls
 
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        try:
-            jax.block_until_ready([fn(*args) for _ in range(reps)])
-        finally:
-            jax.profiler.stop_trace()
-        [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-        summary = summarize_trace(path, [], top=1000)
-    if "error" in summary:
-        raise RuntimeError(summary["error"])
+    summary = traced_calls(fn, args, reps, top=1000)
     per = 1e3 / (reps * copies)
     gemv = sum(k["total_ms"] for k in summary["kernels"] if "int4_gemv" in k["kernel"])
     other = sum(k["total_ms"] for k in summary["kernels"]

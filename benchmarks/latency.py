@@ -223,22 +223,28 @@ def time_decode_step(model, batch_size: int, context: int, *, block_size: int = 
     return timed
 
 
-def device_busy_s(trace_dir: str) -> float:
-    """Seconds the device was busy in the profiler trace under ``trace_dir``: the union of
-    every GPU stream's kernel and copy intervals."""
+def trace_summary(trace_dir: str, top: int = 0) -> dict:
+    """``step_profile.summarize_trace`` of the profiler trace under ``trace_dir`` (its
+    ``top`` kernel groups); a trace without GPU kernels is an error, never a zero."""
     from jaxllm.benchmarks.step_profile import summarize_trace
 
     [path] = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    device = summarize_trace(path, [], top=0)
-    if "error" in device:
-        raise RuntimeError(f"--device-time: {device['error']}")
-    return device["busy_ms"] / 1e3
+    summary = summarize_trace(path, [], top=top)
+    if "error" in summary:
+        raise RuntimeError(f"--device-time: {summary['error']}")
+    return summary
 
 
-def traced_busy_s(fn, args, reps: int = 5) -> float:
-    """The device's busy seconds a call of ``fn(*args)`` (warm): ``reps`` calls launched back
-    to back under the profiler, :func:`device_busy_s` of their trace over ``reps``. A host
-    slower than the calls cannot inflate it, as it does a wall-clock time."""
+def device_busy_s(trace_dir: str) -> float:
+    """Seconds the device was busy in the profiler trace under ``trace_dir``: the union of
+    every GPU stream's kernel and copy intervals."""
+    return trace_summary(trace_dir)["busy_ms"] / 1e3
+
+
+def traced_calls(fn, args, reps: int = 5, top: int = 0) -> dict:
+    """:func:`trace_summary` of ``reps`` calls of ``fn(*args)`` (warm) launched back to back
+    under the profiler: figures a host slower than the calls cannot inflate, as it does a
+    wall-clock time."""
     import jax
 
     jax.block_until_ready(fn(*args))
@@ -248,7 +254,12 @@ def traced_busy_s(fn, args, reps: int = 5) -> float:
             jax.block_until_ready([fn(*args) for _ in range(reps)])
         finally:
             jax.profiler.stop_trace()
-        return device_busy_s(trace_dir) / reps
+        return trace_summary(trace_dir, top)
+
+
+def traced_busy_s(fn, args, reps: int = 5) -> float:
+    """The device's busy seconds a call of ``fn(*args)``, from :func:`traced_calls`."""
+    return traced_calls(fn, args, reps)["busy_ms"] / 1e3 / reps
 
 
 def run(args: argparse.Namespace) -> dict:

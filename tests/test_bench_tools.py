@@ -160,7 +160,12 @@ def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_pat
     waited and a back-to-back step, and the roofline counts one byte per KV element."""
     import jax
     import jax.numpy as jnp
-    from jaxllm.benchmarks.latency import device_busy_s, kv_bytes_per_token, roofline_s
+    from jaxllm.benchmarks.latency import (
+        device_busy_s,
+        kv_bytes_per_token,
+        roofline_s,
+        traced_busy_s,
+    )
 
     out = tmp_path / "lat.json"
     assert bench_main(["latency", *tiny_bench_args(tiny_config), "--batch-sizes", "1,4",
@@ -180,6 +185,8 @@ def test_latency_reports_back_to_back_steps_and_an_fp8_pool(tiny_config, tmp_pat
     jax.profiler.stop_trace()
     with pytest.raises(RuntimeError, match="no device kernels"):
         device_busy_s(str(trace_dir))
+    with pytest.raises(RuntimeError, match="no device kernels"):  # int4_matmul, kernels, l2
+        traced_busy_s(jax.jit(lambda x: x * 2), (jnp.ones(4),))
     for row in r["rows"]:
         assert row["back_to_back_step_ms"] > 0 and row["step_ms"] > 0
         assert row["back_to_back_pct_of_roofline"] == pytest.approx(
