@@ -56,7 +56,11 @@
 #   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
 #   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major); "lf": JAXLLM_INT4_FUSION's and
 #   JAXLLM_ROPE_KV_KERNEL's compiled tests (g10), then the one-row steps of bf16 and AWQ
-#   with and without them (~3 minutes); "p1f": the AWQ step with both traced by position
+#   with and without them (~3 minutes); "p1f": the AWQ step with both traced by position;
+#   "p1e": p1f with gate_up's and down's weights read evict-first; "ll": the one-row step's
+#   launch with its buffers kept in place; "kt": batch-1 decode-attention configs and GEMV
+#   candidate tables by device time; "l2": a GEMV with its weight already in L2 (each step's
+#   comment below says more)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
