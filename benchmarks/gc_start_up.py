@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as cold:
         config = EngineConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=2048, num_gpu_blocks_override=1024, unroll_layers=args.unroll_layers,
+            num_gpu_blocks_override=1024, unroll_layers=args.unroll_layers,
             disable_log_stats=True, compilation_cache_dir=args.compilation_cache_dir or cold)
         engine = LLMEngine(config, model=model, progress=False, usage_context="llm_class")
         points.append(_point("engine"))

@@ -412,3 +412,24 @@ def test_latency_stores_4bit_weights_n_major_under_the_hopper_switch(tiny_config
                            "--output-json", str(out)]) in (0, None)
         weights[setting] = json.loads(out.read_text())["weight_bytes"]
     assert weights["on"] > weights["off"]
+
+
+def test_gc_start_up_counts_what_an_engine_leaves_for_the_collector(tiny_config, tmp_path):
+    """``gc_start_up`` on the tiny model: tracked objects and a full collection's time after
+    the imports, the model and the engine's cold start (its programs all compiled)."""
+    from jaxllm.benchmarks import gc_start_up
+
+    out = tmp_path / "gc.json"
+    gc_start_up.main(["--model", tiny_config, "--max-num-seqs", "4",
+                      "--max-num-batched-tokens", "32", "--output-json", str(out)])
+    r = json.loads(out.read_text())
+    assert [p["at"] for p in r["points"]] == ["imports", "model", "engine"]
+    assert all(p["tracked"] > 0 and p["full_collection_ms"] > 0 for p in r["points"])
+    assert r["programs"] > 0
+
+
+def test_l2_prefetch_needs_a_gpu():
+    from jaxllm.benchmarks import l2_prefetch
+
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        l2_prefetch.main(["--shapes", "o", "--fractions", "1"])
