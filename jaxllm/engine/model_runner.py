@@ -203,7 +203,7 @@ class ModelRunner:
         """Drops what JAX keeps of tracing the step programs once they are compiled (their
         jaxprs, kept for another ``lower`` of the same signature, which the runner never
         makes: it holds the executables). For an unrolled model that is millions of Python
-        objects (SmolLM2's 30 layers: 4.35 M tracked after warm-up, 0.46 M without them),
+        objects (SmolLM2's 30 layers: 5.7 M tracked after warm-up, 0.55 M without them),
         which every full garbage collection walks: one took 1.3 s of an offline run's step on
         the H200 (RESULTS.md, 2026-12-06). JAX's ``clear_cache`` also empties its shared
         cache of traced signatures: another function's next ``lower`` traces again."""
