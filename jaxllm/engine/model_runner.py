@@ -122,6 +122,7 @@ class ModelRunner:
         # step's transient peak on top of weights and pool.
         self.max_step_temp_bytes = 0
         self._compile_lock = threading.Lock()
+        self._warming_up = False  # its threads compile at once: traces dropped after them
         self.num_steps = 0  # samplers launched
         self.num_forwards = 0
         # Multi-host leader: sends each device launch, before it is made, to the workers,
@@ -159,14 +160,18 @@ class ModelRunner:
         if release:
             jax.tree.map(lambda x: x.delete(), self.kv_pool)
             self.kv_pool = None
-        with ThreadPoolExecutor(workers) as pool, tqdm(
-                total=len(jobs), desc="Compiling step buckets", disable=not progress,
-                unit="graph") as bar:
-            loaded_at = start
-            for done, _ in enumerate(pool.map(lambda job: job[0](job[1]), jobs), 1):
-                bar.update(1)
-                if done == len(cached):
-                    loaded_at = time.perf_counter()
+        self._warming_up = True
+        try:
+            with ThreadPoolExecutor(workers) as pool, tqdm(
+                    total=len(jobs), desc="Compiling step buckets", disable=not progress,
+                    unit="graph") as bar:
+                loaded_at = start
+                for done, _ in enumerate(pool.map(lambda job: job[0](job[1]), jobs), 1):
+                    bar.update(1)
+                    if done == len(cached):
+                        loaded_at = time.perf_counter()
+        finally:
+            self._warming_up = False
         self._drop_traces()
         self.warm_up_report = {"programs": len(jobs), "cached": len(cached),
                                "load_seconds": loaded_at - start,
@@ -200,13 +205,10 @@ class ModelRunner:
         self.num_forwards = self.num_steps = 0  # counted from the first real step
 
     def _drop_traces(self) -> None:
-        """Drops what JAX keeps of tracing the step programs once they are compiled (their
-        jaxprs, kept for another ``lower`` of the same signature, which the runner never
-        makes: it holds the executables). For an unrolled model that is millions of Python
-        objects (SmolLM2's 30 layers: 5.7 M tracked after warm-up, 0.55 M without them),
-        which every full garbage collection walks: one took 1.3 s of an offline run's step on
-        the H200 (RESULTS.md, 2026-12-06). JAX's ``clear_cache`` also empties its shared
-        cache of traced signatures: another function's next ``lower`` traces again."""
+        """Drops JAX's traces (jaxprs) of the compiled step programs, never lowered twice:
+        unrolled, millions of objects (SmolLM2: 5.7 M tracked after warm-up, 0.55 M without)
+        that a full collection walks, 1.3 s of an offline H200 run (RESULTS.md, 2026-12-06).
+        ``clear_cache`` also empties JAX's shared cache of traced signatures."""
         for program in (self._programs.forward, self._programs.sample):
             program.clear_cache()
 
@@ -229,7 +231,7 @@ class ModelRunner:
             self._count_compilation(exe)
             if pooling and self.num_steps:
                 logger.info("compiled the pooling forward for %s", shape)
-            if self.num_steps:  # after warm-up (its compiling threads share the caches)
+            if not self._warming_up:
                 self._drop_traces()
         return entry
 
@@ -244,6 +246,7 @@ class ModelRunner:
             if self.num_steps:
                 logger.info("compiled sampler variant rows=%d penalty_width=%d %s", rows,
                             width, variant)
+            if not self._warming_up:
                 self._drop_traces()
         return exe
 
