@@ -17,7 +17,7 @@ import gc
 import time
 
 
-def _full_collection_ms() -> float:
+def full_collection_ms() -> float:
     start = time.perf_counter()
     gc.collect()
     return 1e3 * (time.perf_counter() - start)
@@ -40,17 +40,17 @@ def main() -> None:
                                    args.prefix_caching == "on", async_scheduling=True)
     engine.stream_outputs = False
     record = {"start_up": {"tracked": len(gc.get_objects()),
-                           "full_collection_ms": round(_full_collection_ms(), 2)}}
+                           "full_collection_ms": round(full_collection_ms(), 2)}}
     gc.freeze()  # what exists after start-up: the engine's own objects included
     record["frozen"] = gc.get_freeze_count()
     host_step.fill_batch(engine, args.num_seqs, args.context)
     for _ in range(args.steps):
         engine.step()
     record["running_start_up_frozen"] = {"tracked": len(gc.get_objects()),
-                                         "full_collection_ms": round(_full_collection_ms(), 2)}
+                                         "full_collection_ms": round(full_collection_ms(), 2)}
     gc.unfreeze()
     record["running_nothing_frozen"] = {"tracked": len(gc.get_objects()),
-                                        "full_collection_ms": round(_full_collection_ms(), 2)}
+                                        "full_collection_ms": round(full_collection_ms(), 2)}
     for key in ("start_up", "running_start_up_frozen", "running_nothing_frozen"):
         print(f"{key:24s} tracked objects {record[key]['tracked']:8d}   full collection "
               f"{record[key]['full_collection_ms']:8.1f} ms")

@@ -17,14 +17,14 @@ import argparse
 import gc
 import json
 import tempfile
-import time
+
+from jaxllm.benchmarks.gc_pause import full_collection_ms
 
 
 def _point(name: str) -> dict:
-    start = time.perf_counter()
-    gc.collect()
+    collection_ms = full_collection_ms()
     point = {"at": name, "tracked": len(gc.get_objects()),
-             "full_collection_ms": round(1e3 * (time.perf_counter() - start), 1)}
+             "full_collection_ms": round(collection_ms, 1)}
     print(f"{name:<10} tracked objects {point['tracked']:>10,}   full collection "
           f"{point['full_collection_ms']:>8.1f} ms", flush=True)
     return point
