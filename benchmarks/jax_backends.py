@@ -86,6 +86,8 @@ def add_workload(engine, requests: list[Request], args, tag: str = "") -> int:
 def run_jaxllm(model, requests: list[Request], args) -> dict:
     from tqdm.auto import tqdm
 
+    from jaxllm.engine import gc_watch
+
     engine = make_engine(model, args)
     phases = ("schedule_seconds", "prepare_seconds", "update_seconds", "output_seconds",
               "device_wait_seconds", "bitmask_seconds", "bitmask_fill_seconds")
@@ -93,7 +95,7 @@ def run_jaxllm(model, requests: list[Request], args) -> dict:
     kv_before = engine_usage(engine.stats)
     held = device_bytes_in_use()  # weights and pool, before the clock
     produced = 0
-    with PeakSampler(device_bytes_in_use) as memory, tqdm(
+    with gc_watch.frozen_heap(), PeakSampler(device_bytes_in_use) as memory, tqdm(
             total=len(requests), desc="jaxllm", unit="req", disable=args.no_progress) as bar:
         start = time.perf_counter()
         num_constrained = add_workload(engine, requests, args)

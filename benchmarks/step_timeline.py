@@ -335,6 +335,8 @@ def run(args: argparse.Namespace) -> dict:
     from jaxllm.benchmarks.provenance import source_commit
     from jaxllm.benchmarks.throughput import _requests, load_jax_model
 
+    from jaxllm.engine import gc_watch
+
     if args.gemv_overrides:
         from jaxllm.benchmarks.step_profile import override_gemv
 
@@ -349,13 +351,14 @@ def run(args: argparse.Namespace) -> dict:
 
     gc_timer = GcTimer()  # a long collection is a step's stall the table cannot name
     gc_timer.on = True
-    start = time.perf_counter()  # as bench throughput: from adding the requests
-    add_workload(engine, requests, args)
-    produced = 0
-    while engine.has_unfinished_requests():
-        produced += sum(len(c.token_ids) for o in recorder.step() if o.finished
-                        for c in o.outputs)
-    wall = time.perf_counter() - start
+    with gc_watch.frozen_heap():  # as bench throughput and LLM.generate
+        start = time.perf_counter()  # as bench throughput: from adding the requests
+        add_workload(engine, requests, args)
+        produced = 0
+        while engine.has_unfinished_requests():
+            produced += sum(len(c.token_ids) for o in recorder.step() if o.finished
+                            for c in o.outputs)
+        wall = time.perf_counter() - start
     gc_timer.on = False
 
     steps = derive(recorder.records, start, floor, args.wait_threshold_ms)

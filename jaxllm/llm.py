@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from jaxllm.engine import gc_watch
 from jaxllm.engine.engine_config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.outputs import EmbeddingRequestOutput, RequestOutput
@@ -126,8 +127,10 @@ class LLM:
 
         wanted = set(request_ids)
         finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
-                  unit="req") as bar:
+        # the engine's start-up heap out of the run's full collections (vLLM's engine core
+        # freezes it too)
+        with gc_watch.frozen_heap(), tqdm(total=len(request_ids), desc="Processed prompts",
+                                          disable=not use_tqdm, unit="req") as bar:
             while len(finished) < len(wanted):
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError("engine went idle with requests unfinished")

@@ -49,3 +49,42 @@ def test_serve_forever_freezes_the_start_up_heap(monkeypatch):
     monkeypatch.setattr(server.asyncio, "run", lambda coro: (coro.close(), 0)[1])
     assert server.serve_forever(Engine(), None) == 0
     assert calls == ["freeze", "start", "shutdown"]
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_frozen_heap_keeps_older_objects_out_of_collections_and_thaws_after():
+    """Inside, a cycle made before is not collected even when it dies; after, it is, and the
+    heap is unfrozen again (no leak across engines)."""
+    import weakref
+
+    if gc.get_freeze_count():  # a settled process: frozen_heap leaves it as it is
+        gc.unfreeze()
+    before = _Cycle()
+    alive = weakref.ref(before)
+    with gc_watch.frozen_heap():
+        assert gc.get_freeze_count() > 0
+        del before
+        during = _Cycle()
+        collected = weakref.ref(during)
+        del during
+        gc.collect()
+        assert collected() is None  # the run's own garbage is collected
+        assert alive() is not None  # the frozen one is not walked
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive() is None
+
+
+def test_frozen_heap_leaves_a_settled_heap_frozen():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with gc_watch.frozen_heap():
+            pass
+        assert gc.get_freeze_count() >= frozen > 0
+    finally:
+        gc.unfreeze()

@@ -96,6 +96,24 @@ def test_parallel_samples_differ_and_seeds_repeat(llm):
     assert len(set(texts)) > 1 and texts == [o.text for o in again.outputs]
 
 
+def test_generate_steps_with_the_start_up_heap_frozen_and_thaws_it(llm, monkeypatch):
+    """A full collection during an offline run walks only the run's objects (gc_watch)."""
+    import gc
+
+    counts = []
+    step = llm.engine.step
+
+    def counted_step():
+        counts.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", counted_step)
+    frozen_before = gc.get_freeze_count()
+    llm.generate(["The capital of France is"], greedy(2), use_tqdm=False)
+    assert counts and min(counts) > 0
+    assert gc.get_freeze_count() == frozen_before
+
+
 def test_bad_input_leaves_nothing_queued(llm):
     with pytest.raises(ValueError, match="top_p must be in"):
         SamplingParams(top_p=0)
