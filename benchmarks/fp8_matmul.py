@@ -47,7 +47,7 @@ def _variants():
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.layers.linear import quantize_tokens_fp8
+    from jaxllm.layers.fp8 import quantize_tokens_fp8
 
     def fp8_linear(x, wq, w_scale, *, k_major, out_dtype):
         xq, x_scale = quantize_tokens_fp8(x)
@@ -74,7 +74,7 @@ def run(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.layers.linear import quantize_fp8
+    from jaxllm.layers.fp8 import quantize_fp8
     from jaxllm.quantization import compile_options as co
     from jaxllm.quantization.config import QuantizationConfig
 

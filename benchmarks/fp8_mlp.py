@@ -29,7 +29,7 @@ def _blocks():
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.layers.linear import fp8_product, quantize_tokens_fp8
+    from jaxllm.layers.fp8 import fp8_product, quantize_tokens_fp8
     from jaxllm.layers.mlp import swiglu_mlp
 
     def engine(product_dtype=None):  # jaxllm.layers.mlp, as the model calls it
@@ -54,7 +54,7 @@ def run(args) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.layers.linear import quantize_fp8
+    from jaxllm.layers.fp8 import quantize_fp8
     from jaxllm.quantization import compile_options as co
     from jaxllm.quantization.config import QuantizationConfig
 

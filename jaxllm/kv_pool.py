@@ -19,7 +19,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxllm.layers.linear import FP8_DTYPE, FP8_MAX
+from jaxllm.layers.fp8 import FP8_DTYPE, FP8_MAX
 from jaxllm.parallel.mesh import pipeline_parallel_size
 from jaxllm.parallel.sharding import kv_pool_shardings
 

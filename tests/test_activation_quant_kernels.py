@@ -24,7 +24,8 @@ from tiny_models import prompt_logits
 
 import jaxllm
 from jaxllm.layers import fp8_kernels, mlp
-from jaxllm.layers.linear import fp8_product, linear, quantize_fp8, quantize_tokens_fp8
+from jaxllm.layers.fp8 import fp8_product, quantize_fp8, quantize_tokens_fp8
+from jaxllm.layers.linear import linear
 from jaxllm.models.llama import RMSNorm
 
 TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")

@@ -17,7 +17,7 @@ from jaxllm.pallas_kernels.activation_quant import (
 )
 
 from jaxllm.layers import fp8_kernels
-from jaxllm.layers.linear import Fp8Activation, quantize_fp8
+from jaxllm.layers.fp8 import Fp8Activation, quantize_fp8
 
 
 def _rows(tokens: int, k: int, dtype, seed: int = 0) -> jax.Array:

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.env_settings import env_choice
-from jaxllm.layers.linear import Fp8Activation, Fp8Weight
+from jaxllm.layers.fp8 import Fp8Activation, Fp8Weight
 from jaxllm.pallas_kernels.activation_quant import (
     quantize_rows_fp8_kernel,
     rmsnorm_fp8,

@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh
 
-from jaxllm.layers.linear import Fp8Activation, fp8_matmul, fp8_product, linear, quantize_tokens_fp8
+from jaxllm.layers.fp8 import Fp8Activation, fp8_matmul, fp8_product, quantize_tokens_fp8
+from jaxllm.layers.linear import linear
 from jaxllm.pallas_kernels.activation_quant import swiglu_quantize_fp8
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.layers.linear import FP8_DTYPE, PER_WORD, Fp8Weight, Int4Weight
+from jaxllm.layers.fp8 import FP8_DTYPE, Fp8Weight
+from jaxllm.layers.linear import PER_WORD, Int4Weight
 from jaxllm.loading.device_blocks import fused_block, on_device
 from jaxllm.model_config import ModelConfig
 from jaxllm.parallel.mesh import PP_AXIS

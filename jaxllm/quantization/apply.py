@@ -10,14 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxllm.layers.linear import (
-    PER_WORD,
-    Fp8Weight,
-    Int4Weight,
-    Int8Weight,
-    quantize_fp8,
-    quantize_int8,
-)
+from jaxllm.layers.fp8 import Fp8Weight, quantize_fp8
+from jaxllm.layers.linear import PER_WORD, Int4Weight, Int8Weight, quantize_int8
 from jaxllm.parallel.sharding import param_spec, path_names
 from jaxllm.quantization.config import INT4_METHODS, QuantizationConfig
 
