@@ -64,7 +64,8 @@
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
-A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override 48000 --unroll-layers"
+# BLOCKS: the offline runs' pool (48,000 on the H200; an H100's 80 GB holds ~24,000 beside bf16)
+A1="--max-num-seqs 1024 --max-num-batched-tokens 8192 --num-gpu-blocks-override ${BLOCKS:-48000} --unroll-layers"
 SERVE_ENGINE="--num-gpu-blocks-override 48000 --unroll-layers"
 BIG="--max-num-seqs 256 --max-num-batched-tokens 2048 --unroll-layers --quantization awq"
 SERVE_FLAGS="--tokenizer .gpu_deps/tokenizer_128k.json"
@@ -177,7 +178,7 @@ only17() {
       E1_CONFIGS='bf16:1 awq:1' E1_TAG=skip_temp_ staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, the o projection's input, and forwards through them)
-    { picked m8 || picked l8k; } && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
+    { picked m8 || picked l8k || picked t1fs; } && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
       tests/test_activation_quant_kernels.py tests/test_rows_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
