@@ -193,7 +193,11 @@ def test_rows_the_norm_kernel_cannot_take_are_named():
 
 
 def test_the_norm_kernel_setting_is_read_from_the_environment_and_refused_when_unknown():
-    assert fp8_kernels.norm_kernel_enabled({}) is False
+    # "auto" (unset): on a GPU only; the CPU keeps XLA's passes (no interpreted kernel)
+    assert fp8_kernels.norm_kernel_enabled({}, backend="gpu") is True
+    assert fp8_kernels.norm_kernel_enabled({}, backend="cpu") is False
+    assert fp8_kernels.norm_kernel_enabled({fp8_kernels.NORM_KERNEL_ENV: "off"},
+                                           backend="gpu") is False
     assert fp8_kernels.norm_kernel_enabled({fp8_kernels.NORM_KERNEL_ENV: "on"}) is True
     with pytest.raises(ValueError, match=r"JAXLLM_FP8_NORM_KERNEL='yes' must be one of"):
         fp8_kernels.norm_kernel_enabled({fp8_kernels.NORM_KERNEL_ENV: "yes"})

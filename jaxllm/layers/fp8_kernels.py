@@ -1,23 +1,25 @@
 """Which of the FP8 activation kernels (``pallas_kernels/activation_quant``) the model runs in
 place of XLA's passes before an FP8 W8A8 projection, as the environment picks them.
 
-Both are off by default (RESULTS.md): a Pallas call replaces two or three of XLA's fusions a
-norm or an MLP (``benchmarks/step_kernels.py`` counts them), but on the H200 the SwiGLU kernel
-was slower than XLA's passes over the FP8 GEMM's bf16 product at 256-8,192 tokens (2026-12-05,
-``benchmarks/fp8_mlp.py``); the norm kernel and both at the few rows of decode steps, where
-their fewer launches may win, are untimed.
+A Pallas call replaces two or three of XLA's fusions a norm or an MLP
+(``benchmarks/step_kernels.py`` counts them). The norm kernel runs by default on a GPU
+(RESULTS.md, 2026-12-06): the H200's FP8 decode steps took 1.3-3.6% less device time at 1-64
+rows, and an H100's offline sharegpt-like run was 1.7% faster with it (every step-size bin
+faster). The SwiGLU kernel stays off: on the H200 it was slower than XLA's passes over the
+FP8 GEMM's bf16 product at 256-8,192 tokens (2026-12-05, ``benchmarks/fp8_mlp.py``) and at
+1-64-row decode steps (2026-12-06).
 
 - ``JAXLLM_FP8_SWIGLU_KERNEL`` = ``off`` | ``f32`` | ``bf16``: SwiGLU and the down
   projection's quantization in one kernel over gate_up's product, written by the FP8 GEMM in
   that dtype (:func:`jaxllm.layers.mlp.swiglu_mlp`);
-- ``JAXLLM_FP8_NORM_KERNEL`` = ``off`` | ``on``: a layer's two RMSNorms and the next
-  projection's quantization in one kernel each (:func:`rmsnorm_quantized`), and the o
-  projection's input quantization, the layer's one other, in a kernel of its own
-  (:func:`quantized_input`).
+- ``JAXLLM_FP8_NORM_KERNEL`` = ``auto`` (on a GPU) | ``off`` | ``on``: a layer's two
+  RMSNorms and the next projection's quantization in one kernel each
+  (:func:`rmsnorm_quantized`), and the o projection's input quantization, the layer's one
+  other, in a kernel of its own (:func:`quantized_input`).
 
 Either runs only on one device (a pallas_call is opaque to XLA's partitioner) and is
-interpreted off the GPU (tests). Read as the forward is traced; part of the executable
-cache's key (``executable_cache.PROGRAM_ENV``).
+interpreted off the GPU (tests; "auto" keeps XLA's passes there). Read as the forward is
+traced; part of the executable cache's key (``executable_cache.PROGRAM_ENV``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jaxllm.parallel.mesh import tensor_parallel_size
 SWIGLU_KERNEL_ENV = "JAXLLM_FP8_SWIGLU_KERNEL"
 SWIGLU_KERNELS = {"off": None, "f32": jnp.float32, "bf16": jnp.bfloat16}
 NORM_KERNEL_ENV = "JAXLLM_FP8_NORM_KERNEL"
-NORM_KERNELS = ("off", "on")
+NORM_KERNELS = ("off", "on", "auto")
 
 
 def swiglu_kernel_setting(environ=os.environ) -> str:
@@ -49,9 +51,16 @@ def swiglu_kernel_setting(environ=os.environ) -> str:
     return env_choice(environ, SWIGLU_KERNEL_ENV, SWIGLU_KERNELS)
 
 
-def norm_kernel_enabled(environ=os.environ) -> bool:
-    """Whether ``JAXLLM_FP8_NORM_KERNEL`` is "on"; a clear error for a value not listed."""
-    return env_choice(environ, NORM_KERNEL_ENV, NORM_KERNELS) == "on"
+def norm_kernel_enabled(environ=os.environ, backend: str | None = None) -> bool:
+    """Whether the norm kernel runs: ``JAXLLM_FP8_NORM_KERNEL`` "on", or "auto" (the default)
+    on a GPU (``backend``, by default JAX's); a clear error for a value not listed. Elsewhere
+    "auto" keeps XLA's passes: the kernel would run interpreted."""
+    setting = environ.get(NORM_KERNEL_ENV, "").strip() or "auto"
+    if setting not in NORM_KERNELS:
+        raise ValueError(f"{NORM_KERNEL_ENV}={setting!r} must be one of {sorted(NORM_KERNELS)}")
+    if setting == "auto":
+        return (backend or jax.default_backend()) == "gpu"
+    return setting == "on"
 
 
 def check_settings(environ=os.environ) -> None:
