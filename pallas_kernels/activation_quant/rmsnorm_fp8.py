@@ -13,9 +13,8 @@ H = 4096) and writes its FP8 row and scale::
                 scale[t] = max(|h|) / 448;  out[t] = fp8(h / scale[t])
 
 :func:`rmsnorm_quantize_fp8` has the signature of
-:func:`~.reference.rmsnorm_quantize_fp8_reference`. Not in the engine by default: the model
-runs it when ``JAXLLM_FP8_NORM_KERNEL=on`` (``jaxllm.layers.fp8_kernels``), until timed on a
-GPU.
+:func:`~.reference.rmsnorm_quantize_fp8_reference`. The engine runs it on a GPU
+(``JAXLLM_FP8_NORM_KERNEL``, ``jaxllm.layers.fp8_kernels``).
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ registers) and writes its FP8 row and scale::
 
 :func:`quantize_rows_fp8_kernel` has the signature of :func:`~.reference.quantize_rows_fp8`
 (plus ``interpret``). The frame every per-token quantizing kernel shares (the row rule, the
-row's FP8 store, the one-program-a-token call) is here too. Not in the engine by default:
-the model runs it when ``JAXLLM_FP8_NORM_KERNEL=on`` (``jaxllm.layers.fp8_kernels``), until
-timed on a GPU.
+row's FP8 store, the one-program-a-token call) is here too. The engine runs it on a GPU
+(``JAXLLM_FP8_NORM_KERNEL``, ``jaxllm.layers.fp8_kernels``).
 """
 
 from __future__ import annotations
