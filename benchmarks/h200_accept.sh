@@ -33,8 +33,9 @@
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
 #   one-pass SwiGLU + quantization kernel (fp8_mlp), after g8 (the FP8 activation kernels'
 #   tests on the GPU); "t1fs": t1f through both FP8 activation kernels (the RMSNorm + and
-#   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels), "t1fn" with the norm one alone; "l8k": their decode steps at 1 / 8
-#   / 64 rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
+#   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels), "t1fx" t1f on XLA's passes
+#   (neither kernel; the norm one is the default); "l8k": their decode steps at 1 / 8 / 64
+#   rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
 #   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
 #   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
 #   the weight in XLA's int4 type through XLA's own fused GEMM against the engine's paths;
@@ -178,7 +179,8 @@ only17() {
       E1_CONFIGS='bf16:1 awq:1' E1_TAG=skip_temp_ staged_steps"
     # the FP8 activation kernels compiled and checked against XLA's passes on the GPU (the
     # MLP, the norm, the o projection's input, and forwards through them)
-    { picked m8 || picked l8k || picked t1fs || picked t1fn; } && step g8_fp8_kernel_tests 30 150 $PY -m pytest -q -x -p no:cacheprovider \
+    { picked m8 || picked l8k || picked t1fs || picked t1fx; } && step g8_fp8_kernel_tests 30 150 \
+      $PY -m pytest -q -x -p no:cacheprovider \
       tests/test_activation_quant_kernels.py tests/test_rows_fp8_kernel.py
     picked m8 && step m8_fp8_mlp 40 150 $PY -m jaxllm.benchmarks.fp8_mlp --tokens 256,1024,2048,8192 \
       --output-json "$DIR/m8_fp8_mlp.json"
@@ -218,7 +220,7 @@ only17() {
     # steps against XLA's passes (bench latency at 1 / 8 / 64 rows)
     local lat="${LATENCY//$'\n'/ }"  # one line (a newline in bash -c ends the command)
     local small="${lat/1,64,256/1,8,64}"
-    if picked t1fs || picked t1fn || picked l8k; then
+    if picked t1fs || picked t1fx || picked l8k; then
       # pytest's summary starts "N passed" only when nothing failed
       if ! grep -qE "^[0-9]+ passed" "$DIR"/g8_*.log 2>/dev/null; then
         echo "t1fs / l8k skipped: the kernels' GPU tests (g8) did not pass" >> "$DIR/steps.txt"
@@ -229,17 +231,18 @@ only17() {
         local kernels="env JAXLLM_FP8_NORM_KERNEL=on JAXLLM_FP8_SWIGLU_KERNEL=$swiglu"
         # (with the device's time: a slow host's launch must not decide; the norm kernel
         # alone too, as the SwiGLU one never beat XLA's passes in m8)
-        picked l8k && step l8k_fp8_kernels_small 40 300 bash -c "$PY $small --device-time \
+        picked l8k && step l8k_fp8_kernels_small 40 300 bash -c "JAXLLM_FP8_NORM_KERNEL=off $PY $small --device-time \
           -q fp8 --output-json $DIR/l8k_xla.json; JAXLLM_FP8_NORM_KERNEL=on $PY $small \
           --device-time -q fp8 --output-json $DIR/l8k_norm.json; $kernels $PY $small \
           --device-time -q fp8 --output-json $DIR/l8k_kernels_$swiglu.json"
         picked t1fs && step t1fs_sharegpt_fp8_kernels_$swiglu 150 300 $kernels $PY $TIMELINE \
           --dataset-name sharegpt-like --quantization fp8 \
           --output-json "$DIR/t1fs_sharegpt_fp8_kernels_$swiglu.json"
-        # t1fn: the norm kernel alone (l8k: faster at every small step; SwiGLU's kernel lost)
-        picked t1fn && step t1fn_sharegpt_fp8_norm_kernel 150 300 env JAXLLM_FP8_NORM_KERNEL=on \
+        # t1fx: t1f on XLA's passes (the norm kernel, the default since f25b495, off; run as
+        # "t1fn" with it on at bd155a1, when it was not the default)
+        picked t1fx && step t1fx_sharegpt_fp8_xla_passes 150 300 env JAXLLM_FP8_NORM_KERNEL=off \
           $PY $TIMELINE --dataset-name sharegpt-like --quantization fp8 \
-          --output-json "$DIR/t1fn_sharegpt_fp8_norm_kernel.json"
+          --output-json "$DIR/t1fx_sharegpt_fp8_xla_passes.json"
       fi
     fi
     # Issue 16's table in one run: t1 (bf16) and t1f (FP8 W8A8) above, t1k (FP8 KV cache),

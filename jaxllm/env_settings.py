@@ -13,9 +13,10 @@ def _value(environ: Mapping[str, str], name: str, default: str = "off") -> str:
     return environ.get(name, "").strip() or default
 
 
-def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str]) -> str:
-    """``name``'s value, one of ``choices``."""
-    value = _value(environ, name)
+def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str],
+               default: str = "off") -> str:
+    """``name``'s value, one of ``choices`` (``default`` when unset)."""
+    value = _value(environ, name, default)
     if value not in choices:
         raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
     return value

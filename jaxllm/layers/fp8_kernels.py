@@ -55,9 +55,7 @@ def norm_kernel_enabled(environ=os.environ, backend: str | None = None) -> bool:
     """Whether the norm kernel runs: ``JAXLLM_FP8_NORM_KERNEL`` "on", or "auto" (the default)
     on a GPU (``backend``, by default JAX's); a clear error for a value not listed. Elsewhere
     "auto" keeps XLA's passes: the kernel would run interpreted."""
-    setting = environ.get(NORM_KERNEL_ENV, "").strip() or "auto"
-    if setting not in NORM_KERNELS:
-        raise ValueError(f"{NORM_KERNEL_ENV}={setting!r} must be one of {sorted(NORM_KERNELS)}")
+    setting = env_choice(environ, NORM_KERNEL_ENV, NORM_KERNELS, default="auto")
     if setting == "auto":
         return (backend or jax.default_backend()) == "gpu"
     return setting == "on"
