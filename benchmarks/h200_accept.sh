@@ -251,9 +251,12 @@ only17() {
       --kv-cache-dtype fp8 --output-json "$DIR/t1k_sharegpt_fp8_kv.json"
     picked t1a && step t1a_sharegpt_awq 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization awq --output-json "$DIR/t1a_sharegpt_awq.json"
-    picked l16 && step l16_latency_quant 60 300 bash -c "$PY $lat --output-json $DIR/l16_bf16.json; \
-      $PY $lat -q fp8 --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 \
-      --output-json $DIR/l16_fp8_kv.json; $PY $lat -q awq --output-json $DIR/l16_awq.json"
+    # (with the device's own time since 2026-12-06: a slow host's launch must not decide)
+    picked l16 && step l16_latency_quant 60 360 bash -c "$PY $lat --device-time \
+      --output-json $DIR/l16_bf16.json; $PY $lat -q awq --device-time \
+      --output-json $DIR/l16_awq.json; $PY $lat -q fp8 --device-time \
+      --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 --device-time \
+      --output-json $DIR/l16_fp8_kv.json"
     # lb: the one- and two-row decode steps (bench latency at batch 1 / 2): XLA compiles the
     # one-row program with 65 more launches (bf16; its RMSNorms unfused), so whether the
     # smallest decode bucket should be 2; bf16, AWQ, AWQ on the N-major weights (~2 minutes)
