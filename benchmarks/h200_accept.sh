@@ -28,6 +28,7 @@
 #   restart from an orbax conversion of a locally written 8B checkpoint, cold then warm;
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
 #   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
+#   "f8d": the FP8 projections alone against bf16's at 1 / 16 / 64 tokens, by device time;
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
@@ -208,6 +209,12 @@ only17() {
       --tokens 1,8,16,32,64,128,256 --variants N,K --iters 30 --output-json $DIR/f8_gate_up.json \
       && $PY -m jaxllm.benchmarks.fp8_matmul --tokens 1,8,16,32,64,128,256 --variants N,K \
       --iters 30 --k 14336 --n 4096 --output-json $DIR/f8_down.json"
+    # f8d: each FP8 projection of Llama-3-8B beside bf16's at the decode steps' token counts,
+    # by the device's time over 8 distinct weights (how far cuBLASLt's FP8 GEMM is from
+    # reading its weight at the HBM rate where the step is weight-bound; ~2.5 minutes)
+    picked f8d && step f8d_fp8_projections_device 40 200 $PY -m jaxllm.benchmarks.fp8_matmul \
+      --shapes qkv,o,gate_up,down --tokens 1,16,64 --variants "N,K] out bf" --device-time \
+      --iters 5 --output-json "$DIR/f8d_fp8_projections.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
     # t1 again after t1f ("t1f t1b": bf16 second, so that the first-run effect above falls
