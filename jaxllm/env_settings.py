@@ -9,22 +9,17 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 
 
-def _value(environ: Mapping[str, str], name: str, default: str = "off") -> str:
-    return environ.get(name, "").strip() or default
-
-
 def env_choice(environ: Mapping[str, str], name: str, choices: Collection[str],
                default: str = "off") -> str:
-    """``name``'s value, one of ``choices`` (``default`` when unset)."""
-    value = _value(environ, name, default)
+    """``name``'s value, one of ``choices`` (``default`` when unset or blank)."""
+    value = environ.get(name, "").strip() or default
     if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {sorted(choices)}")
+        allowed = (" or ".join(repr(c) for c in choices) if len(choices) == 2
+                   else f"one of {sorted(choices)}")
+        raise ValueError(f"{name}={value!r} must be {allowed}")
     return value
 
 
 def env_switch(environ: Mapping[str, str], name: str, default: str = "off") -> bool:
-    """Whether the on/off switch ``name`` is "on" (``default`` when unset)."""
-    value = _value(environ, name, default)
-    if value not in ("off", "on"):
-        raise ValueError(f"{name}={value!r} must be 'off' or 'on'")
-    return value == "on"
+    """Whether the on/off switch ``name`` is "on" (``default`` when unset or blank)."""
+    return env_choice(environ, name, ("off", "on"), default) == "on"
