@@ -295,6 +295,11 @@ def run(args) -> dict:
                     glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
                     or glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
         kinds = count_kernels(compiled.as_text())
+        if args.hlo_dir:  # the optimized program, to read what a fusion computes
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            name = "_".join([quantization, bucket, *(f"{k}={v}" for k, v in (env | xla).items())])
+            with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
         # what a new address of each step input makes XLA re-record in the step's graph
         readers = {name: parameter_readers(compiled.as_text(), number)
                    for name, number in inputs.items()}
@@ -337,6 +342,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--source-tree", default=None, metavar="DIR",
                         help="compile the jaxllm of this checkout (e.g. an older commit's "
                              "worktree) instead of this one's")
+    parser.add_argument("--hlo-dir", default=None, help="write each compiled program's "
+                        "optimized HLO there")
     parser.add_argument("--output-json", default=None)
     return parser.parse_args(argv)
 
