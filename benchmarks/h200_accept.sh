@@ -29,6 +29,7 @@
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
 #   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
 #   "f8d": the FP8 projections alone against bf16's at 1 / 16 / 64 tokens, by device time;
+#   "t1fk": FP8 W8A8 with the FP8 KV cache, offline;
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
@@ -256,6 +257,10 @@ only17() {
     # t1a (AWQ int4, dummy, group 128); l16: their decode steps at batch 1 / 64 / 256
     picked t1k && step t1k_sharegpt_fp8_kv 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --kv-cache-dtype fp8 --output-json "$DIR/t1k_sharegpt_fp8_kv.json"
+    # t1fk: FP8 W8A8 over an FP8 KV cache (what a user after throughput runs: the 65-512-row
+    # decode steps read as many bytes of bf16 KV as of FP8 weights, 2026-12-06 H100)
+    picked t1fk && step t1fk_sharegpt_fp8_fp8_kv 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
+      --quantization fp8 --kv-cache-dtype fp8 --output-json "$DIR/t1fk_sharegpt_fp8_fp8_kv.json"
     picked t1a && step t1a_sharegpt_awq 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization awq --output-json "$DIR/t1a_sharegpt_awq.json"
     # (with the device's own time since 2026-12-06: a slow host's launch must not decide)
