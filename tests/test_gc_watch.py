@@ -3,6 +3,8 @@
 import gc
 import logging
 
+import pytest
+
 from jaxllm.engine import gc_watch
 
 
@@ -36,6 +38,7 @@ def test_serve_forever_freezes_the_start_up_heap(monkeypatch):
     from jaxllm.serve import server
 
     calls = []
+    monkeypatch.setattr(gc_watch, "_settled", False)  # restored after: this process is no server
     monkeypatch.setattr(gc_watch.gc, "freeze", lambda: calls.append("freeze"))
     monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0")  # no watch left behind in this process
 
@@ -56,13 +59,16 @@ class _Cycle:
         self.me = self
 
 
-def test_frozen_heap_keeps_older_objects_out_of_collections_and_thaws_after():
+@pytest.mark.parametrize("frozen_at_start", [False, True])
+def test_frozen_heap_keeps_older_objects_out_of_collections_and_thaws_after(frozen_at_start):
     """Inside, a cycle made before is not collected even when it dies; after, it is, and the
-    heap is unfrozen again (no leak across engines)."""
+    heap is unfrozen again (no leak across engines). Also where objects were frozen before
+    the run, as CPython 3.12 starts (375 objects here): the run must still freeze."""
     import weakref
 
-    if gc.get_freeze_count():  # a settled process: frozen_heap leaves it as it is
-        gc.unfreeze()
+    gc.unfreeze()
+    if frozen_at_start:
+        gc.freeze()
     before = _Cycle()
     alive = weakref.ref(before)
     with gc_watch.frozen_heap():
@@ -79,8 +85,26 @@ def test_frozen_heap_keeps_older_objects_out_of_collections_and_thaws_after():
     assert alive() is None
 
 
-def test_frozen_heap_leaves_a_settled_heap_frozen():
-    gc.freeze()
+def test_a_nested_frozen_run_leaves_the_outer_one_frozen():
+    import weakref
+
+    gc.unfreeze()
+    before = _Cycle()
+    alive = weakref.ref(before)
+    with gc_watch.frozen_heap():
+        with gc_watch.frozen_heap():
+            pass
+        del before
+        gc.collect()
+        assert alive() is not None
+    gc.collect()
+    assert alive() is None
+
+
+def test_frozen_heap_leaves_a_settled_heap_frozen(monkeypatch):
+    monkeypatch.setattr(gc_watch, "_settled", False)  # restored after: this is no server
+    monkeypatch.setenv("JAXLLM_GC_WARN_MS", "0")  # no watch left behind in this process
+    gc_watch.settle(logging.getLogger("test_gc_watch"), "test")
     try:
         frozen = gc.get_freeze_count()
         with gc_watch.frozen_heap():

@@ -108,10 +108,11 @@ def test_generate_steps_with_the_start_up_heap_frozen_and_thaws_it(llm, monkeypa
         return step()
 
     monkeypatch.setattr(llm.engine, "step", counted_step)
-    frozen_before = gc.get_freeze_count()
+    frozen_before = gc.get_freeze_count()  # CPython 3.12 starts with a few hundred frozen
     llm.generate(["The capital of France is"], greedy(2), use_tqdm=False)
-    assert counts and min(counts) > 0
-    assert gc.get_freeze_count() == frozen_before
+    # the engine's objects too: far more than the interpreter's own
+    assert counts and min(counts) > frozen_before + 10_000
+    assert gc.get_freeze_count() == 0
 
 
 def test_bad_input_leaves_nothing_queued(llm):
