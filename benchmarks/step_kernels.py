@@ -294,21 +294,21 @@ def run(args) -> dict:
                 graphs = graph_structure(
                     glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt"))
                     or glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
-        kinds = count_kernels(compiled.as_text())
-        if args.hlo_dir:  # the optimized program, to read what a fusion computes
+        hlo = compiled.as_text()  # the optimized program (a large text: printed once)
+        kinds = count_kernels(hlo)
+        if args.hlo_dir:  # to read what a fusion computes
             os.makedirs(args.hlo_dir, exist_ok=True)
-            name = "_".join([quantization, bucket, *(f"{k}={v}" for k, v in (env | xla).items())])
-            with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
-                f.write(compiled.as_text())
+            stem = "_".join([quantization, bucket, *(f"{k}={v}" for k, v in (env | xla).items())])
+            with open(os.path.join(args.hlo_dir, f"{stem}.hlo.txt"), "w") as f:
+                f.write(hlo)
         # what a new address of each step input makes XLA re-record in the step's graph
-        readers = {name: parameter_readers(compiled.as_text(), number)
-                   for name, number in inputs.items()}
+        readers = {name: parameter_readers(hlo, number) for name, number in inputs.items()}
         # what the KV planner subtracts (jaxllm.engine.kv_sizing.activation_bytes)
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
         row = {"quantization": quantization, "rows": rows, "tokens": tokens, "env": env,
                "compiler_options": xla, "kernels": sum(kinds.values()),
                "by_kind": dict(kinds.most_common()), "temp_bytes": temp,
-               "program_digest": program_digest(compiled.as_text()), **graphs,
+               "program_digest": program_digest(hlo), **graphs,
                "input_readers": readers,
                "compile_s": time.perf_counter() - t0}
         rows_out.append(row)
