@@ -29,7 +29,8 @@
 #   "p2" (not in all): a device trace of t1's first mixed steps (step_profile); "f8 t1f p2f
 #   p3f" (not in all): issue 16's FP8 W8A8 offline (GEMM formulations, t1 in FP8, its traces);
 #   "f8d": the FP8 projections alone against bf16's at 1 / 16 / 64 tokens, by device time;
-#   "t1fk": FP8 W8A8 with the FP8 KV cache, offline;
+#   "t1fk": FP8 W8A8 with the FP8 KV cache, offline; "t1fe" / "t1e": t1f / t1 with the
+#   launch's remedies (staged batch, SKIP_TEMP command buffers);
 #   "t1 t1f t1k t1a l16": issue 16's bf16 / FP8 / FP8 KV / AWQ offline and decode steps, one run;
 #   "l8": FP8's decode steps at 1 / 8 / 64 rows, default and SKIP_TEMP command buffers, and bf16;
 #   "m8": the FP8 MLP block as the engine runs it against its GEMMs writing bf16 and against the
@@ -218,6 +219,16 @@ only17() {
       --iters 5 --output-json "$DIR/f8d_fp8_projections.json"
     picked t1f && step t1f_sharegpt_fp8 150 300 $PY $TIMELINE --dataset-name sharegpt-like \
       --quantization fp8 --output-json "$DIR/t1f_sharegpt_fp8.json"
+    # t1fe / t1e: t1f / t1 with the launch's remedies (the step's batch staged in the forward's
+    # buffer; XLA's SKIP_TEMP command-buffer updates). On the H200 the small steps' launch
+    # ("prepare", ~3.0 ms) nears their device time: FP8's 1-16-row steps ran 3.8 ms a step
+    # against 3.3-3.4 ms of device time (2026-12-06); the remedies halved an H100's launch (ll)
+    local remedies="env JAXLLM_STAGE_STEP_INPUT=on XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+    picked t1fe && step t1fe_sharegpt_fp8_launch_remedies 150 300 $remedies $PY $TIMELINE \
+      --dataset-name sharegpt-like --quantization fp8 \
+      --output-json "$DIR/t1fe_sharegpt_fp8_launch_remedies.json"
+    picked t1e && step t1e_sharegpt_launch_remedies 130 260 $remedies $PY $TIMELINE \
+      --dataset-name sharegpt-like --output-json "$DIR/t1e_sharegpt_launch_remedies.json"
     # t1 again after t1f ("t1f t1b": bf16 second, so that the first-run effect above falls
     # on FP8 and FP8 / bf16 is not inflated by it)
     picked t1b && step t1b_sharegpt_after_fp8 130 260 $PY $TIMELINE --dataset-name sharegpt-like \
