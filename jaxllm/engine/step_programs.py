@@ -32,7 +32,7 @@ from jaxllm.sampling import sample
 # "on": the forward reads its step's batch from a copy in its own temporaries
 # (PackedBatch.staged), at one address from step to step, so that XLA's CUDA graph of the step
 # needs only the copy's command re-recorded for a new batch. Off: with XLA's SKIP_TEMP command
-# buffers it halved a lone one-row step's launch on an H100, but in the offline FP8 run it
+# buffers it halved a lone one-row step's launch on an H100, but in an H100's offline FP8 run it
 # lengthened the small steps' launch and left throughput as it was (RESULTS.md, 2026-12-06,
 # t1fe). Read where the runner makes its ProgramKey, so listed among the executable cache's
 # program variables (executable_cache.PROGRAM_ENV).
