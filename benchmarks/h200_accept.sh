@@ -222,7 +222,9 @@ only17() {
     # t1fe / t1e: t1f / t1 with the launch's remedies (the step's batch staged in the forward's
     # buffer; XLA's SKIP_TEMP command-buffer updates). On the H200 the small steps' launch
     # ("prepare", ~3.0 ms) nears their device time: FP8's 1-16-row steps ran 3.8 ms a step
-    # against 3.3-3.4 ms of device time (2026-12-06); the remedies halved an H100's launch (ll)
+    # against 3.3-3.4 ms of device time (2026-12-06); the remedies halved an H100's lone-step
+    # launch (ll) but gained nothing in an H100's offline FP8 run (+0.3%, 363a071): the H200's
+    # host is the open question
     local remedies="env JAXLLM_STAGE_STEP_INPUT=on XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
     picked t1fe && step t1fe_sharegpt_fp8_launch_remedies 150 300 $remedies $PY $TIMELINE \
       --dataset-name sharegpt-like --quantization fp8 \
