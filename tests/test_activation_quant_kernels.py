@@ -6,8 +6,6 @@ an FP8 MLP's two GEMMs, then the one-pass RMSNorm + quantization before a projec
 
 from __future__ import annotations
 
-import os
-
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -20,15 +18,13 @@ from jaxllm.pallas_kernels.activation_quant import (
     swiglu_quantize_fp8_reference,
     unsupported,
 )
-from tiny_models import prompt_logits
+from tiny_models import TINY_QWEN, prompt_logits
 
 import jaxllm
 from jaxllm.layers import fp8_kernels, mlp
 from jaxllm.layers.fp8 import fp8_product, quantize_fp8, quantize_tokens_fp8
 from jaxllm.layers.linear import linear
 from jaxllm.models.llama import RMSNorm
-
-TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
 
 
 def assert_within_one_fp8_step(q, scale, want_q, want_scale):

@@ -6,7 +6,6 @@ outputs stay close to the float pool's."""
 from __future__ import annotations
 
 import functools
-import os
 import types
 
 import jax
@@ -29,7 +28,7 @@ from test_engine import (
     run_all,
     workload,
 )
-from tiny_models import random_params
+from tiny_models import TINY_QWEN, random_params
 
 import jaxllm
 from jaxllm import LLM, SamplingParams
@@ -38,7 +37,6 @@ from jaxllm.layers.fp8 import Fp8Weight
 from jaxllm.loading import LoadedModel
 
 FP8 = jnp.float8_e4m3fn
-TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
 
 
 @functools.cache

@@ -15,6 +15,7 @@ import pytest
 from reference.make_awq_smollm2 import quantize_checkpoint, write_checkpoint
 from safetensors.numpy import load_file, save_file
 from test_convert import assert_converts_bit_for_bit
+from tiny_models import TINY_QWEN
 
 import jaxllm
 from jaxllm.errors import ModelLoadError
@@ -24,7 +25,6 @@ from jaxllm.quantization.int4_checkpoint import Int4Linear
 
 HERE = os.path.dirname(__file__)
 CASES = os.path.join(HERE, "fixtures", "quant", "int4_cases.npz")
-TINY_QWEN = os.path.join(HERE, "fixtures", "tiny", "qwen2_bias")
 PREFIX = "model.layers.0.mlp.down_proj"
 CASE_NAMES = ("awq_g32", "awq_g128", "gptq_v1_g32", "gptq_v2_g64", "gptq_sym_g32",
               "gptq_v1_channel")

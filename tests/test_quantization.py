@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import SMOLLM2_ENGINE_ARGS
-from tiny_models import PagedRunner
+from tiny_models import TINY_QWEN, PagedRunner
 
 import jaxllm
 from jaxllm.layers import Fp8Weight, Int8Weight, linear, quantize_fp8, quantize_int8
@@ -28,7 +28,6 @@ TEXT = os.path.join(HERE, "fixtures", "text", "pride_and_prejudice_ch1.txt")
 # Perplexities are taken over the text's first 256 tokens: a forward of all of it (462)
 # takes about twice as long on 2 cores, and the ratios below move by < 0.2 points.
 TEXT_TOKENS = 256
-TINY_QWEN = os.path.join(HERE, "fixtures", "tiny", "qwen2_bias")
 # Greedy-token prompts for the quantized SmolLM2 tests (here and test_quant_smollm2.py).
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
            "The largest planet in the solar system is", "Once upon a time,",

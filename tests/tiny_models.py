@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import jax
@@ -12,6 +13,9 @@ from jaxllm import KVPool, ModelConfig, RopeScaling, SeqChunk, make_forward, pac
 from jaxllm.kv_pool import new_kv_pool
 from jaxllm.models import LlamaForCausalLM
 from jaxllm.models.llama import has_per_layer_params
+
+# The committed tiny HF checkpoint (random Qwen2 weights with attention biases)
+TINY_QWEN = os.path.join(os.path.dirname(__file__), "fixtures", "tiny", "qwen2_bias")
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
