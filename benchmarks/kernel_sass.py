@@ -125,13 +125,14 @@ def capture_int4(kernel: str, k: int, n: int, tokens: int, group: int,
 def capture_activation_quant(kernel: str, tokens: int, hidden: int,
                              intermediate: int) -> tuple:
     """An FP8 activation kernel's program ``(fn, args)`` ("rmsnorm_fp8" over bf16 rows of
-    ``hidden``, "swiglu_fp8" over gate_up's float32 product of ``intermediate`` pairs) at
+    ``hidden``, "swiglu_fp8" over gate_up's bf16 product of ``intermediate`` pairs) at
     ``tokens`` rows, and its warps and stages."""
     import jax
     import jax.numpy as jnp
     from jaxllm.pallas_kernels.activation_quant import (
         rmsnorm_quantize_fp8,
         rows_fp8,
+        swiglu_fp8,
         swiglu_quantize_fp8,
     )
 
@@ -141,8 +142,8 @@ def capture_activation_quant(kernel: str, tokens: int, hidden: int,
                  [spec((tokens, hidden), jnp.bfloat16), spec((hidden,), jnp.bfloat16)]),
                 rows_fp8.NUM_WARPS, 1)
     return ((lambda p, xs, ws: swiglu_quantize_fp8(p, xs, ws, jnp.bfloat16),
-             [spec((tokens, 2 * intermediate), jnp.float32), spec((tokens, 1), jnp.float32),
-              spec((2 * intermediate,), jnp.float32)]), rows_fp8.NUM_WARPS, 1)
+             [spec((tokens, 2 * intermediate), jnp.bfloat16), spec((tokens, 1), jnp.float32),
+              spec((2 * intermediate,), jnp.float32)]), swiglu_fp8.num_warps(intermediate), 1)
 
 
 def _code(sass: str) -> list[tuple[int, str, str]]:
@@ -340,12 +341,17 @@ def run_activation_quant(args) -> dict:
     usage = {}
     sass = compile_sass(program, warps, stages, args.triton_python, usage, args.compiler)
     body = [op for op in _opcodes(sass) if op not in ("NOP", "EXIT")]
+    opcodes = dict(collections.Counter(op.split(".")[0] for op in body).most_common())
     result = {"commit": source_commit(), "kernel": args.kernel, "tokens": args.tokens,
               "hidden": args.hidden, "intermediate": args.intermediate, "num_warps": warps,
-              "resources": usage, "instructions": len(body),
+              "resources": usage, "instructions": len(body), "opcodes": opcodes,
               "loops": loops(sass, mma_only=False)}
     print(f"{args.kernel} ({warps} warps): {usage}, {len(body)} instructions, "
           f"{len(result['loops'])} loops")
+    print("  " + ", ".join(f"{op} {n}" for op, n in list(opcodes.items())[:16]))
+    if args.sass_out:
+        with open(args.sass_out, "w") as f:
+            f.write(sass)
     write_json(result, args.output_json)
     return result
 
@@ -405,7 +411,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--matmul-config", default=None,
                         help="matmul (the tiled int4 kernel): Int4MatmulConfig fields, e.g. "
                         "'one_dot=True' (default: the defaults)")
-    parser.add_argument("--sass-out", default=None, help="gemv: write the whole SASS here")
+    parser.add_argument("--sass-out", default=None,
+                        help="gemv and the activation kernels: write the whole SASS here")
     parser.add_argument("--triton-python", required=True,
                         help="an interpreter with the triton package (e.g. a venv with "
                         "triton==3.6.0: its compiler and cuobjdump need no GPU)")

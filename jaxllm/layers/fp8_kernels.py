@@ -37,6 +37,7 @@ from jaxllm.pallas_kernels.activation_quant import (
     rmsnorm_fp8,
     rmsnorm_quantize_fp8,
     rows_fp8,
+    swiglu_fp8,
 )
 from jaxllm.parallel.mesh import tensor_parallel_size
 
@@ -74,11 +75,13 @@ def _one_device_fp8(kernel, mesh: Mesh | None) -> bool:
 
 def swiglu_product_dtype(gate_up, down, mesh: Mesh | None = None, setting: str | None = None):
     """Static: the dtype of gate_up's product the one-pass SwiGLU kernel reads for this
-    projection pair, or None (XLA's passes): FP8 weights in both on one device, and the
-    kernel picked (``setting``, by default the environment's)."""
+    projection pair, or None (XLA's passes): FP8 weights in both on one device, a row the
+    kernel holds, and the kernel picked (``setting``, by default the environment's)."""
     product_dtype = SWIGLU_KERNELS[setting or swiglu_kernel_setting()]
     if product_dtype is None or not (_one_device_fp8(gate_up, mesh)
                                      and _one_device_fp8(down, mesh)):
+        return None
+    if swiglu_fp8.unsupported((1, gate_up.shape[-1])) is not None:
         return None
     return product_dtype
 

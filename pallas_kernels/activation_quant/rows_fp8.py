@@ -52,7 +52,7 @@ def store_quantized_row(h, out_ref, scale_ref):
 
 
 def per_token_fp8_call(kernel, *, tokens: int, width: int, in_specs: list, name: str,
-                       interpret: bool):
+                       interpret: bool, num_warps: int = NUM_WARPS):
     """The pallas_call of a per-token quantizing kernel (this one, the norm's, SwiGLU's): one
     program a token (grid (T,)), writing the token's FP8 row [width] and its scale: outputs
     (float8_e4m3fn [T, width], f32 [T, 1])."""
@@ -64,7 +64,7 @@ def per_token_fp8_call(kernel, *, tokens: int, width: int, in_specs: list, name:
                    pl.BlockSpec((None, 1), lambda t: (t, 0))],
         out_shape=[jax.ShapeDtypeStruct((tokens, width), FP8_DTYPE),
                    jax.ShapeDtypeStruct((tokens, 1), jnp.float32)],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=name,
     )

@@ -1,23 +1,25 @@
 """SwiGLU and the down projection's per-token FP8 quantization in one kernel (Pallas, Triton
 backend): the FP8 MLP's steps between its two GEMMs.
 
-In XLA the step is two passes over gate_up's output: a reduction for each token's absmax of
-``silu(gate) up``, then the conversion that recomputes it (RESULTS.md, 2026-12-04: 13% of an
-8,192-token FP8 step, the two reading gate_up's float32 product from memory twice). Here one
-program takes one token's row in chunks, twice: the second pass finds the row in L2 (a row is
-2F x 2-4 bytes, ~57-115 KB for Llama-3-8B), so memory sees one read and one FP8 write.
+In XLA the step is two passes over gate_up's product: a reduction for each token's absmax of
+``silu(gate) up``, then the conversion that recomputes it from the product read again. Here one
+program holds one token's SwiGLU row in registers: it reads the row's product once, in chunks
+all issued before the first is needed, and writes the FP8 row and its scale::
 
     grid = (T,)
-    program t, pass 1: for each chunk of C (gate, up) pairs of row t:
-                   y = round_dtype(product[t] x_scale[t] w_scale)   gate_up's output
-                   h = round_dtype(silu(y_gate) y_up)                SwiGLU's, in the model dtype
-                   absmax = max(absmax, |h|)
-               scale[t] = absmax / 448
-               pass 2: each chunk's h again, out[t] = fp8(h / scale[t])
+    program t:  for each chunk c of C (gate, up) pairs of row t (unrolled):
+                    y = round_dtype(product[t, c] x_scale[t] w_scale[c])   gate_up's output
+                    gate, up = the pairs of y apart (Triton's split: no data moves)
+                    h[c] = round_dtype(silu(gate) up)                     SwiGLU's, [C] f32
+                scale[t] = max |h| / 448;  out[t, c] = fp8(h[c] / scale[t]) for each chunk
 
-C is the largest power of two dividing F, at most :data:`CHUNK` (no masked tail).
+The kernel it replaces (RESULTS.md, 2026-12-05, m8) took each row in 2,048-pair chunks twice
+in a loop (absmax, then the quantization recomputing SwiGLU), one chunk's loads in flight at a
+time, and parted the pairs with a masked sum, a shuffle of every chunk across threads; it lost
+to XLA's passes at 256-8,192 tokens. C is the largest power of two dividing F, at most
+:data:`CHUNK`; a row of more than :data:`MAX_CHUNKS` chunks or :data:`MAX_F` pairs does not fit
+the registers (:func:`unsupported`: the model keeps XLA's passes).
 :func:`swiglu_quantize_fp8` has the signature of :func:`~.reference.swiglu_quantize_fp8_reference`.
-Not in the engine: ``benchmarks/fp8_mlp.py`` times it beside XLA's two passes first.
 """
 
 from __future__ import annotations
@@ -27,49 +29,56 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from .reference import FP8_DTYPE, FP8_MAX
 from .rows_fp8 import per_token_fp8_call
 
-CHUNK = 2048  # (gate, up) pairs a step: 32 float32 of each array a thread at 4 warps
+CHUNK = 2048  # (gate, up) pairs a load
+MAX_CHUNKS = 16  # chunks unrolled in a program
+HELD_A_THREAD = 32  # SwiGLU values (float32 registers) a thread holds while warps are added
+MAX_F = 2 * HELD_A_THREAD * 32 * 16  # twice that a thread at 16 warps (Llama-3-70B: 28,672)
+
+
+def _chunk(f: int) -> int:
+    return min(CHUNK, f & -f)  # the largest power of two dividing F, at most CHUNK
+
+
+def num_warps(f: int) -> int:
+    """Warps a program: enough that each thread holds at most HELD_A_THREAD of the row's F
+    SwiGLU values, from 4 to 16."""
+    warps = 4
+    while warps < 16 and f > HELD_A_THREAD * 32 * warps:
+        warps *= 2
+    return warps
 
 
 def unsupported(product_shape: tuple[int, ...]) -> str | None:
     """Why this kernel cannot take a product of this shape (None: it can)."""
     if len(product_shape) != 2 or product_shape[-1] % 2:
         return f"product {product_shape} must be [T, 2F]"
+    f = product_shape[-1] // 2
+    if f > MAX_F or f // _chunk(f) > MAX_CHUNKS:
+        return (f"a row of F={f} SwiGLU values is not held in registers (at most {MAX_F}, in at "
+                f"most {MAX_CHUNKS} chunks of a power of two dividing F, up to {CHUNK})")
     return None
 
 
 def _kernel(product_ref, x_scale_ref, w_scale_ref, out_ref, scale_ref, *, f: int,
             chunk: int, dtype):
     x_scale = x_scale_ref[0]
-
-    def swiglu(c):  # SwiGLU's output for pairs [c chunk, (c + 1) chunk): f32 [chunk]
+    rows = []  # SwiGLU's row, chunk by chunk: f32 [chunk] each, rounded to dtype
+    for c in range(f // chunk):
         cols = pl.ds(c * 2 * chunk, 2 * chunk)
-        p = pltriton.load(product_ref.at[cols]).astype(jnp.float32)
+        p = product_ref[cols].astype(jnp.float32)
         # gate_up's output, rounded to the model dtype as the model rounds it
-        y = (p * x_scale * pltriton.load(w_scale_ref.at[cols])).astype(dtype)
-        # (gate_i, up_i) pairs apart: a sum over each pair's two lanes, one zeroed (no
-        # strided load: JAX's interpreter has none)
-        pairs = y.astype(jnp.float32).reshape(chunk, 2)
-        is_gate = jax.lax.broadcasted_iota(jnp.int32, (chunk, 2), 1) == 0
-        g = jnp.sum(jnp.where(is_gate, pairs, 0.0), axis=1)
-        u = jnp.sum(jnp.where(is_gate, 0.0, pairs), axis=1)
-        return (g * (1.0 / (1.0 + jnp.exp(-g))) * u).astype(dtype).astype(jnp.float32)
-
-    steps = f // chunk
-    absmax = jax.lax.fori_loop(
-        0, steps, lambda c, m: jnp.maximum(m, jnp.max(jnp.abs(swiglu(c)))), jnp.float32(0))
+        y = (p * x_scale * w_scale_ref[cols]).astype(dtype).astype(jnp.float32)
+        gate, up = jnp.unstack(y.reshape(chunk, 2), axis=-1)
+        rows.append((gate * (1.0 / (1.0 + jnp.exp(-gate))) * up).astype(dtype)
+                    .astype(jnp.float32))
+    absmax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(h)) for h in rows])
     scale = jnp.where(absmax > 0, absmax / FP8_MAX, 1.0)
-
-    def write(c, carry):
-        q = jnp.clip(swiglu(c) / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-        pltriton.store(out_ref.at[pl.ds(c * chunk, chunk)], q)
-        return carry
-
-    jax.lax.fori_loop(0, steps, write, 0)
+    for c, h in enumerate(rows):
+        out_ref[pl.ds(c * chunk, chunk)] = jnp.clip(h / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     scale_ref[0] = scale
 
 
@@ -86,11 +95,11 @@ def swiglu_quantize_fp8(
         raise ValueError(why)
     tokens, two_f = product.shape
     f = two_f // 2
-    chunk = min(CHUNK, f & -f)  # the largest power of two dividing F
-    kernel = functools.partial(_kernel, f=f, chunk=chunk, dtype=jnp.dtype(dtype))
+    kernel = functools.partial(_kernel, f=f, chunk=_chunk(f), dtype=jnp.dtype(dtype))
     return per_token_fp8_call(kernel, tokens=tokens, width=f,
                               in_specs=[pl.BlockSpec((None, two_f), lambda t: (t, 0)),
                                         pl.BlockSpec((None, 1), lambda t: (t, 0)),
                                         pl.BlockSpec((two_f,), lambda t: (0,))],
-                              name="swiglu_quantize_fp8", interpret=interpret,
+                              name="swiglu_quantize_fp8", num_warps=num_warps(f),
+                              interpret=interpret,
                               )(product, x_scale.astype(jnp.float32), w_scale.astype(jnp.float32))
