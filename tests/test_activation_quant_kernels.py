@@ -7,6 +7,7 @@ an FP8 MLP's two GEMMs, then the one-pass RMSNorm + quantization before a projec
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -76,6 +77,19 @@ def test_interpreted_swiglu_kernel_is_within_one_fp8_step_of_reference_in_bfloat
     _, _, product, x_scale, w_scale = _gate_up_product(16, 96, jnp.bfloat16, seed=3)
     q, scale = swiglu_quantize_fp8(product, x_scale, w_scale, jnp.bfloat16, interpret=True)
     assert_within_one_fp8_step(q, scale, *swiglu_quantize_fp8_reference(
+        product, x_scale, w_scale, jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+@pytest.mark.parametrize("tokens, f", [(1, 14336), (64, 14336), (2048, 14336), (3, 28672)])
+def test_compiled_swiglu_kernel_is_within_one_fp8_step_of_reference_on_the_gpu(tokens, f):
+    rng = np.random.default_rng(tokens)  # a bf16 product as the engine's GEMM writes it
+    product = jnp.asarray(rng.standard_normal((tokens, 2 * f)) * 40, jnp.bfloat16)
+    x_scale = jnp.asarray(rng.uniform(1e-3, 1e-1, (tokens, 1)), jnp.float32)
+    w_scale = jnp.asarray(rng.uniform(1e-3, 1e-2, 2 * f), jnp.float32)
+    q, scale = swiglu_quantize_fp8(product, x_scale, w_scale, jnp.bfloat16)
+    assert_within_one_fp8_step(q, scale, *jax.jit(swiglu_quantize_fp8_reference, static_argnums=3)(
         product, x_scale, w_scale, jnp.bfloat16))
 
 
