@@ -33,8 +33,9 @@ def assert_within_one_fp8_step(q, scale, want_q, want_scale):
     order): each of the reference's roundings moves a value by up to half a bf16 step (2^-9
     relative, 2^-8 at worst where XLA's GPU passes round differently), and SwiGLU's reference
     rounds three times (the scales, silu, the product: a row's scale 1.2% apart on the H200,
-    2026-12-05); that moves an FP8 value (2^-3 apart) by one step at most, and rarely."""
-    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=3 * 2**-8)
+    2026-12-05), and XLA's GPU reference a fourth time inside silu (1.25% apart on an H100,
+    2026-12-06); that moves an FP8 value (2^-3 apart) by one step at most, and rarely."""
+    np.testing.assert_allclose(np.asarray(scale), np.asarray(want_scale), rtol=4 * 2**-8)
     got, want = np.asarray(q, np.float32), np.asarray(want_q, np.float32)
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want), 2.0**-6))) - 3)
     assert np.all(np.abs(got - want) <= step), np.abs(got - want).max()
