@@ -37,7 +37,7 @@
 #   one-pass SwiGLU + quantization kernel (fp8_mlp), after g8 (the FP8 activation kernels'
 #   tests on the GPU); "t1fs": t1f through both FP8 activation kernels (the RMSNorm + and
 #   SwiGLU + quantization ones, jaxllm.layers.fp8_kernels), "t1fx" t1f on XLA's passes
-#   (neither kernel; the norm one is the default); "l8k": their decode steps at 1 / 8 / 64
+#   (neither kernel; both are the default); "l8k": their decode steps at 1 / 8 / 64
 #   rows against XLA's passes: "m8 l8k t1f t1fs" is the A/B (~12 minutes); with issue
 #   16's table, "m8 l8k t1 t1f t1fs t1k t1a l16" (~23 minutes of steps, BUDGET=1450); "i1d":
 #   the tiled int4 kernel with one dot a step against XLA's path at 128 / 512 tokens; "i4":
@@ -251,17 +251,20 @@ only17() {
         [ "$swiglu" = bf16 ] || swiglu=f32
         local kernels="env JAXLLM_FP8_NORM_KERNEL=on JAXLLM_FP8_SWIGLU_KERNEL=$swiglu"
         # (with the device's time: a slow host's launch must not decide; the norm kernel
-        # alone too, as the SwiGLU one never beat XLA's passes in m8)
-        picked l8k && step l8k_fp8_kernels_small 40 300 bash -c "JAXLLM_FP8_NORM_KERNEL=off $PY $small --device-time \
-          -q fp8 --output-json $DIR/l8k_xla.json; JAXLLM_FP8_NORM_KERNEL=on $PY $small \
+        # alone too, as the SwiGLU one lost to XLA's passes in m8 until it held its row)
+        picked l8k && step l8k_fp8_kernels_small 40 300 bash -c "JAXLLM_FP8_NORM_KERNEL=off \
+          JAXLLM_FP8_SWIGLU_KERNEL=off $PY $small --device-time \
+          -q fp8 --output-json $DIR/l8k_xla.json; JAXLLM_FP8_NORM_KERNEL=on \
+          JAXLLM_FP8_SWIGLU_KERNEL=off $PY $small \
           --device-time -q fp8 --output-json $DIR/l8k_norm.json; $kernels $PY $small \
           --device-time -q fp8 --output-json $DIR/l8k_kernels_$swiglu.json"
         picked t1fs && step t1fs_sharegpt_fp8_kernels_$swiglu 150 300 $kernels $PY $TIMELINE \
           --dataset-name sharegpt-like --quantization fp8 \
           --output-json "$DIR/t1fs_sharegpt_fp8_kernels_$swiglu.json"
-        # t1fx: t1f on XLA's passes (the norm kernel, the default since f25b495, off; run as
-        # "t1fn" with it on at bd155a1, when it was not the default)
+        # t1fx: t1f on XLA's passes (neither kernel: the norm one the default since f25b495,
+        # the SwiGLU one since the row-in-registers kernel)
         picked t1fx && step t1fx_sharegpt_fp8_xla_passes 150 300 env JAXLLM_FP8_NORM_KERNEL=off \
+          JAXLLM_FP8_SWIGLU_KERNEL=off \
           $PY $TIMELINE --dataset-name sharegpt-like --quantization fp8 \
           --output-json "$DIR/t1fx_sharegpt_fp8_xla_passes.json"
       fi

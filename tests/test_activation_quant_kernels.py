@@ -109,9 +109,13 @@ def test_products_the_swiglu_kernel_cannot_take_are_named():
 # The engine's use of the SwiGLU kernel (jaxllm.layers.mlp): JAXLLM_FP8_SWIGLU_KERNEL.
 
 def test_the_swiglu_kernel_setting_is_read_from_the_environment_and_refused_when_unknown():
-    assert fp8_kernels.swiglu_kernel_setting({}) == "off"
+    setting = fp8_kernels.swiglu_kernel_setting
+    assert setting({}, backend="cpu") == "off"  # "auto": interpreted off the GPU
+    assert setting({}, backend="gpu") == "bf16"
     env = fp8_kernels.SWIGLU_KERNEL_ENV
-    assert fp8_kernels.swiglu_kernel_setting({env: " bf16 "}) == "bf16"
+    assert setting({env: "auto"}, backend="gpu") == "bf16"
+    assert setting({env: " bf16 "}, backend="cpu") == "bf16"
+    assert setting({env: "off"}, backend="gpu") == "off"
     with pytest.raises(ValueError, match=r"JAXLLM_FP8_SWIGLU_KERNEL='fp16' must be one of"):
         fp8_kernels.swiglu_kernel_setting({env: "fp16"})
 

@@ -4,9 +4,8 @@ weight format :func:`~jaxllm.layers.linear.linear` takes.
 With FP8 W8A8 weights in both projections the steps between the two GEMMs (gate_up's scales,
 SwiGLU, the down projection's per-token quantization) can run as one Pallas kernel
 (``pallas_kernels/activation_quant``) instead of XLA's passes, which read gate_up's product
-twice: ``JAXLLM_FP8_SWIGLU_KERNEL`` (:mod:`jaxllm.layers.fp8_kernels`). Off by default: on the
-H200 (RESULTS.md, 2026-12-05, m8) XLA's passes over the GEMM's bf16 product beat it at 256-8,192
-tokens. ``benchmarks/fp8_mlp.py`` times every setting's block.
+twice: ``JAXLLM_FP8_SWIGLU_KERNEL`` (:mod:`jaxllm.layers.fp8_kernels`; on by default on a GPU,
+over the GEMM's bf16 product). ``benchmarks/fp8_mlp.py`` times every setting's block.
 """
 
 from __future__ import annotations
