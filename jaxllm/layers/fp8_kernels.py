@@ -5,9 +5,9 @@ A Pallas call replaces two or three of XLA's fusions a norm or an MLP
 (``benchmarks/step_kernels.py`` counts them). Both run by default on a GPU (RESULTS.md): with
 the norm kernel the H200's FP8 decode steps took 1.3-3.6% less device time at 1-64 rows and an
 H100's offline sharegpt-like run was 1.7% faster (2026-12-06); the SwiGLU kernel, since it
-holds the row in registers, made an H100's FP8 MLP block 2.5-7% faster than XLA's passes at
-256-8,192 tokens (``benchmarks/fp8_mlp.py``) and the offline run 1.8% faster, its 8,192-token
-steps 4.2% (2026-12-06).
+holds the row in registers, made an H100's FP8 MLP block 1.6-10% faster than XLA's passes at
+256-8,192 tokens (two runs, ``benchmarks/fp8_mlp.py``) and the offline run 1.8% faster, its
+8,192-token steps 4.2% (2026-12-06).
 
 - ``JAXLLM_FP8_SWIGLU_KERNEL`` = ``auto`` (``bf16`` on a GPU) | ``off`` | ``f32`` | ``bf16``:
   SwiGLU and the down projection's quantization in one kernel over gate_up's product, written
