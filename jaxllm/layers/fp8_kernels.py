@@ -53,7 +53,7 @@ def swiglu_kernel_setting(environ=os.environ, backend: str | None = None) -> str
     run interpreted. A clear error for a value not listed."""
     setting = env_choice(environ, SWIGLU_KERNEL_ENV, (*SWIGLU_KERNELS, "auto"), default="auto")
     if setting == "auto":
-        return "bf16" if (backend or jax.default_backend()) == "gpu" else "off"
+        return "bf16" if _on_gpu(backend) else "off"
     return setting
 
 
@@ -63,8 +63,13 @@ def norm_kernel_enabled(environ=os.environ, backend: str | None = None) -> bool:
     "auto" keeps XLA's passes: the kernel would run interpreted."""
     setting = env_choice(environ, NORM_KERNEL_ENV, NORM_KERNELS, default="auto")
     if setting == "auto":
-        return (backend or jax.default_backend()) == "gpu"
+        return _on_gpu(backend)
     return setting == "on"
+
+
+def _on_gpu(backend: str | None) -> bool:
+    """What "auto" asks of either setting: ``backend`` (by default JAX's) is a GPU."""
+    return (backend or jax.default_backend()) == "gpu"
 
 
 def check_settings(environ=os.environ) -> None:
