@@ -26,13 +26,15 @@ GEMV_SWEEP = [
 ]
 # --gemv-modes: the default config with x read and scaled by the kernel (x_in_kernel) and
 # with the split-K partials summed in the kernel (atomic adds, or the last split of a column
-# block summing them in order) instead of by an XLA fusion after the call, and with each step's
-# weight loads issued together (loads_first).
+# block summing them in order) instead of by an XLA fusion after the call, with each step's
+# weight loads issued together (loads_first), and with each program letting the next kernel
+# be launched at its start (trigger_dependents: programmatic dependent launch).
 GEMV_MODES = [
     ("x in kernel", dict(x_in_kernel=True)),
     ("splits atomic", dict(splits_sum="atomic")),
     ("splits last", dict(splits_sum="last")),
     ("loads first", dict(loads_first=True)),
+    ("trigger dependents", dict(trigger_dependents=True)),
 ]
 # Candidate GEMV tables (Int4GemvConfig kwargs by (tokens, K, N)), timed by --gemv-modes and
 # put in the engine by step_profile's and step_timeline's ``--gemv-overrides table=NAME``.

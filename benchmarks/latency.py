@@ -68,6 +68,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-micro-batches", type=int, default=None,
                         help="with -pp: micro-batches per decode step (default: the engine's "
                         "rule, jaxllm.parallel.pipeline.num_micro_batches)")
+    parser.add_argument("--gemv-overrides", default=None,
+                        help="Int4GemvConfig fields put over every config the int4 GEMV picks, "
+                        "as step_profile's (an A/B of GEMV modes in the decode step)")
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["int8", "fp8", "awq", "gptq"],
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
@@ -274,6 +277,10 @@ def run(args: argparse.Namespace) -> dict:
     if args.device_time and jax.default_backend() == "cpu":
         raise SystemExit("--device-time reads the GPU's kernels from a profiler trace: it needs "
                          "a GPU (this backend is cpu)")
+    if args.gemv_overrides:
+        from jaxllm.benchmarks.step_profile import override_gemv
+
+        override_gemv(args.gemv_overrides)  # (its cache directory: the engine's, unused here)
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     unroll = resolve_unroll_layers(args.unroll_layers, jax.default_backend())
     # Loaded in the layout the engine would run (no second copy made to re-lay it out).

@@ -149,6 +149,8 @@ GEMV_CASES = [
                                                   byte_permute=False, num_splits=2)),
     (256, 96, 64, 3, jnp.bfloat16, Int4GemvConfig(block_n=32, x_in_kernel=True,
                                                   splits_sum="last", loads_first=True)),
+    # each program letting the next kernel launch at its start (PDL; nothing in interpret)
+    (512, 320, 128, 2, jnp.bfloat16, Int4GemvConfig(block_n=64, trigger_dependents=True)),
     # every config of int4_configs' candidate tables (down: 8 rows a step, prefetched)
     *[(512, 320, 128, 1, jnp.bfloat16, Int4GemvConfig(**fields))
       for table in GEMV_CANDIDATE_TABLES.values() for fields in table.values()],

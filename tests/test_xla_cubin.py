@@ -97,3 +97,26 @@ def test_the_gemv_as_xla_compiles_it_takes_one_fma_a_weight():
     opcodes = result["main_loop"]["opcodes"]
     assert opcodes["FFMA"] >= 0.95 * weights and opcodes.get("FADD", 0) < 0.05 * weights
     assert result["instructions_per_weight"] < 2.7, opcodes
+
+
+@needs_cuda_plugin
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="the cuobjdump that reads the cubin comes with triton")
+def test_xla_starts_each_kernel_waiting_and_the_gemv_can_signal_its_dependents(tmp_path):
+    """Programmatic dependent launch as XLA compiles the engine's kernels: each starts with
+    griddepcontrol.wait (ACQBULK; XLA's default), and only a GEMV configured to
+    (trigger_dependents) signals the next kernel's launch (PREEXIT), once, at its start."""
+    from jaxllm.benchmarks import kernel_sass
+
+    def sass(config: str) -> list[str]:
+        out = tmp_path / "gemv.sass"
+        kernel_sass.main(["--kernel", "gemv", "--n", "4096", "--compiler", "xla",
+                          "--triton-python", sys.executable, "--gemv-config", config,
+                          "--sass-out", str(out)])
+        return [line.split("*/")[1].split()[0] for line in out.read_text().splitlines()
+                if line.strip().startswith("/*") and "*/" in line and line.split("*/")[1].strip()]
+
+    plain = sass("block_n=256,num_warps=2")
+    signalling = sass("block_n=256,num_warps=2,trigger_dependents=True")
+    assert plain[:8].count("ACQBULK") == 1 and "PREEXIT" not in plain
+    assert signalling.count("PREEXIT") == 1 and signalling.index("PREEXIT") < 16

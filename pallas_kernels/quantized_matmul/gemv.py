@@ -103,6 +103,12 @@ class Int4GemvConfig:
     # ahead of their products (32 registers): each warp keeps ~8x the bytes in flight.
     # Not yet timed on a GPU (h200_accept's lm and g1 --gemv-modes time it).
     loads_first: bool = False
+    # Denormal path: each program signals at its start that the next kernel may be launched
+    # (``griddepcontrol.launch_dependents``), so that under XLA's programmatic dependent launch
+    # (``--xla_gpu_enable_pdl``: every kernel then waits for its predecessor's completion at its
+    # start) the next kernel's programs are placed while this one runs instead of after it
+    # ends. Without PDL the instruction does nothing. Not yet timed on a GPU.
+    trigger_dependents: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_words", "max_splits"):
@@ -285,7 +291,8 @@ def int4_gemv_prescaled(
 
 def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
     return functools.partial(denormal_kernel, pairs=pairs, prefetch=config.prefetch,
-                             loads_first=config.loads_first, prescaled=prescaled)
+                             loads_first=config.loads_first, prescaled=prescaled,
+                             trigger_dependents=config.trigger_dependents)
 
 
 def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dtype,

@@ -131,6 +131,21 @@ def fma(a, b, c, interpret: bool):
     return out
 
 
+def launch_dependents(values, interpret: bool):
+    """``values`` (float32) unchanged, after ``griddepcontrol.launch_dependents``: this
+    program lets the kernel after it be launched now (under programmatic dependent launch;
+    else a no-op). Its dependents still wait for this kernel's completion where they start
+    (XLA puts ``griddepcontrol.wait`` there), so where it runs changes no result. The values
+    pass through the instruction so that it is kept."""
+    if interpret:
+        return values
+    [out] = pltriton.elementwise_inline_asm(
+        "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;", args=[values],
+        constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.float32)])
+    return out
+
+
 def nibble_as_float(src, pos: int, interpret: bool):
     """The nibble at bits pos..pos+3 of ``src`` (int32) as a float32: its masked bits read as
     one, q 2^(pos - 149) exactly (pos <= 20), no conversion instruction. Interpret mode: q
@@ -161,7 +176,8 @@ def _products(words: list, pairs: bool, interpret: bool, loads_first: bool):
 def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int,
                     step_words: int, group_words: int, evict_first: bool, interpret: bool,
                     pairs: bool, prefetch: bool, out_n: int | None, mode: str,
-                    prescaled: bool, loads_first: bool = False):
+                    prescaled: bool, loads_first: bool = False,
+                    trigger_dependents: bool = False):
     # x_ref [M, K/8, 8] in x's dtype (all of x; each thread reads it as scalars, once per
     # (row, nibble), and scales it in registers; the threads sum each step's together), or
     # with ``prescaled`` xs_ref f32[M, K/8, 8] and xg_ref f32[M, K/8/step_words] from
@@ -211,6 +227,8 @@ def denormal_kernel(x_refs, w_ref, s_ref, z_ref, out_refs, *, n: int, steps: int
         return acc, corr, ahead
 
     zeros = tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows))
+    if trigger_dependents:  # (through the sums' first value: an instruction that is kept)
+        zeros = tuple(launch_dependents(z, interpret) for z in zeros)
     init = (zeros, zeros, load_words(0) if prefetch else ())
     acc, corr, _ = jax.lax.fori_loop(0, steps, step, init)
     ys = [(a - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
