@@ -101,13 +101,15 @@ class Int4GemvConfig:
     # (Triton 3.6) ptxas then issues all of a step's weight loads together (qkv: 16 16-byte
     # loads a thread in one burst, 128 registers) where row by row it issues one or two just
     # ahead of their products (32 registers): each warp keeps ~8x the bytes in flight.
-    # Not yet timed on a GPU (h200_accept's lm and g1 --gemv-modes time it).
+    # Timed in the engine's step on an H100: GEMV_TABLE's qkv, o and down take it, gate_up not.
     loads_first: bool = False
     # Denormal path: each program signals at its start that the next kernel may be launched
     # (``griddepcontrol.launch_dependents``), so that under XLA's programmatic dependent launch
-    # (``--xla_gpu_enable_pdl``: every kernel then waits for its predecessor's completion at its
+    # (on by default in jax 0.11.2: every kernel waits for its predecessor's completion at its
     # start) the next kernel's programs are placed while this one runs instead of after it
-    # ends. Without PDL the instruction does nothing. Not yet timed on a GPU.
+    # ends. Without PDL the instruction does nothing. NOTE: False: on an H100 (2026-12-07,
+    # benchmarks/RESULTS.md) it made each GEMV slower alone (o 8.5 -> 9.8 us, down 17.9 ->
+    # 19.3) and the AWQ one-row step too (2.880 -> 2.995 ms back to back).
     trigger_dependents: bool = False
 
     def __post_init__(self):
