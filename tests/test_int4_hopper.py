@@ -6,11 +6,13 @@ one."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from deviceless import needs_cuda_plugin
 from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jaxllm.pallas_kernels.quantized_matmul import int4_matmul_reference
 from jaxllm.pallas_kernels.quantized_matmul.hopper import (
@@ -86,6 +88,22 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(monkeypatch, tokens):
         run = functools.partial(int4_matmul_hopper, group_size=group)
         text = jax.jit(run).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+@needs_cuda_plugin
+def test_the_unrolled_step_lowers_the_kernel_once_a_shape(monkeypatch):
+    """The Llama-3-8B AWQ step of 128 tokens under the switch, lowered for an H200 without
+    one: 128 calls (4 projections x 32 layers) of 4 Mosaic GPU kernels, one a shape. Before
+    the kernel was jitted each call site lowered its own (~0.4 s each: 33 s a step bucket,
+    and an engine warm-up past 265 s on an H100; RESULTS.md 2026-12-07)."""
+    from jaxllm.benchmarks.step_kernels import deviceless_gpu, step_program
+
+    monkeypatch.setenv("JAXLLM_INT4_HOPPER", "on")
+    lowered, _, _ = step_program("llama-3-8b", "awq", "auto", 128, 128, 64, "pallas_mosaic",
+                                 deviceless_gpu())
+    text = lowered.as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 4
+    assert len(re.findall(r"call @int4_matmul_hopper_nk(_\d+)?\b", text)) == 128
 
 
 def test_refuses_what_it_cannot_take():

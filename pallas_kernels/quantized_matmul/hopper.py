@@ -150,6 +150,11 @@ def _swizzled(minor_bits: int, elem_bits: int, what: str):
     return (plgpu.TilingTransform((8, swizzle * 8 // elem_bits)), plgpu.SwizzleTransform(swizzle))
 
 
+# jitted: an unrolled forward calls it 4 times a layer over 4 shapes, and each call's Mosaic
+# GPU lowering (~0.4 s on the CPU machine) then runs once a shape, not once a call site (the
+# Llama-3-8B AWQ step of 128 tokens lowered in 33 s, 128 kernels; RESULTS.md 2026-12-07)
+@functools.partial(jax.jit, static_argnames=("group_size", "interpret", "config",
+                                             "centred_zeros"))
 def int4_matmul_hopper_nk(
     x: jax.Array,  # [.., K]
     weight: jax.Array,  # int4[N, K] (hopper_weight)
