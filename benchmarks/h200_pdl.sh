@@ -5,7 +5,8 @@
 # machine; --xla_gpu_enable_pdl=false removes it), but no kernel signals its dependents early,
 # so each is launched only as the one before it ends. Int4GemvConfig.trigger_dependents makes
 # every GEMV program signal at its start (PREEXIT), so that the kernel after each GEMV is
-# placed while the GEMV runs. In order:
+# placed while the GEMV runs (timed on an H100 on 2026-12-07: slower, so off; RESULTS.md).
+# In order:
 #   pg  the GEMVs at one token with their modes, the trigger's included, each checked against
 #       the reference on the device and timed by the device (the chain stops on a BAD result)
 #   pl  the decode step at one row, context 1,024, back to back and by the device's time,

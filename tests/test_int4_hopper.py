@@ -94,8 +94,8 @@ def test_lowers_to_one_mosaic_gpu_kernel_for_the_h200(monkeypatch, tokens):
 def test_the_unrolled_step_lowers_the_kernel_once_a_shape(monkeypatch):
     """The Llama-3-8B AWQ step of 128 tokens under the switch, lowered for an H200 without
     one: 128 calls (4 projections x 32 layers) of 4 Mosaic GPU kernels, one a shape. Before
-    the kernel was jitted each call site lowered its own (~0.4 s each: 33 s a step bucket,
-    and an engine warm-up past 265 s on an H100; RESULTS.md 2026-12-07)."""
+    the kernel was jitted each call site lowered its own (~0.4 s each: 33 s a step bucket;
+    the engine under the switch was not ready in 265 s on an H100; RESULTS.md 2026-12-07)."""
     from jaxllm.benchmarks.step_kernels import deviceless_gpu, step_program
 
     monkeypatch.setenv("JAXLLM_INT4_HOPPER", "on")
