@@ -113,8 +113,7 @@ def test_xla_starts_each_kernel_waiting_and_the_gemv_can_signal_its_dependents(t
         kernel_sass.main(["--kernel", "gemv", "--n", "4096", "--compiler", "xla",
                           "--triton-python", sys.executable, "--gemv-config", config,
                           "--sass-out", str(out)])
-        return [line.split("*/")[1].split()[0] for line in out.read_text().splitlines()
-                if line.strip().startswith("/*") and "*/" in line and line.split("*/")[1].strip()]
+        return kernel_sass._opcodes(out.read_text())
 
     plain = sass("block_n=256,num_warps=2")
     signalling = sass("block_n=256,num_warps=2,trigger_dependents=True")
