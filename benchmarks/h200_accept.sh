@@ -63,8 +63,8 @@
 #   with and without them (~3 minutes); "p1f": the AWQ step with both traced by position;
 #   "p1e": p1f with gate_up's and down's weights read evict-first; "ll": the one-row step's
 #   launch with its buffers kept in place; "kt": batch-1 decode-attention configs and GEMV
-#   candidate tables by device time; "l2": a GEMV with its weight already in L2 (each step's
-#   comment below says more)
+#   candidate tables by device time; "l2": a GEMV with its weight already in L2; "gb": a grid
+#   barrier inside one kernel against a kernel boundary (each step's comment below says more)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -407,6 +407,13 @@ only17() {
       --shapes o,qkv,down --fractions 1,0.5 --output-json $DIR/l2_small.json && \
       $PY -m jaxllm.benchmarks.l2_prefetch --shapes gate_up --fractions 0.5,0.25 \
       --output-json $DIR/l2_gate_up.json"
+    # gb: a grid barrier inside one Pallas kernel against a kernel boundary (its GPU tests
+    # first; grid_barrier.py: the Llama-3-8B AWQ layer's four weights' bytes a layer as
+    # phases, one program an SM; ~1 minute)
+    picked gb && step gb_grid_barrier 40 200 bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_grid_barrier.py && $PY -m jaxllm.benchmarks.grid_barrier --layers 4 \
+      --output-json $DIR/gb_grid_barrier.json && $PY -m jaxllm.benchmarks.grid_barrier \
+      --layers 4 --phase-mb 1,1,1,1 --output-json $DIR/gb_small_phases.json"
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
