@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 from jaxllm.benchmarks.provenance import source_commit
+from jaxllm.benchmarks.step_profile import add_gemv_overrides_argument
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +69,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp-micro-batches", type=int, default=None,
                         help="with -pp: micro-batches per decode step (default: the engine's "
                         "rule, jaxllm.parallel.pipeline.num_micro_batches)")
-    parser.add_argument("--gemv-overrides", default=None,
-                        help="Int4GemvConfig fields put over every config the int4 GEMV picks, "
-                        "as step_profile's (an A/B of GEMV modes in the decode step)")
+    add_gemv_overrides_argument(parser)
     parser.add_argument("--quantization", "-q", default=None,
                         choices=["int8", "fp8", "awq", "gptq"],
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "

@@ -57,10 +57,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="kernels whose name matches: their durations by position within a "
                         "traced step (median over the steps), e.g. 'gemv|gemm' gives each "
                         "projection of each layer of a decode step apart")
+    add_gemv_overrides_argument(parser)
+
+
+def add_gemv_overrides_argument(parser) -> None:
+    """``--gemv-overrides`` (read by :func:`override_gemv`), as every engine benchmark takes it."""
     parser.add_argument("--gemv-overrides", default=None,
                         help="Int4GemvConfig fields put over every config the int4 GEMV picks "
-                        "(not the dot configs), e.g. 'splits_sum=last,x_in_kernel=True': an "
-                        "A/B of GEMV modes inside the engine (compiled into a cache of its own)")
+                        "(not the dot configs), e.g. 'splits_sum=last,x_in_kernel=True', or "
+                        "'table=NAME' (int4_configs' candidate tables), 'nk.FIELD=..' for the "
+                        "N-major GEMV: an A/B of GEMV modes inside the engine")
 
 
 def override_gemv(text: str) -> str:

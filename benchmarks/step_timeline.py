@@ -65,6 +65,7 @@ import time
 import types
 
 import numpy as np
+from jaxllm.benchmarks.step_profile import add_gemv_overrides_argument
 
 STEP_PHASES = ("schedule", "prepare", "update", "device_wait")
 
@@ -90,9 +91,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
     throughput_args(parser)
     r = parser.add_argument_group("step timeline")
-    r.add_argument("--gemv-overrides", default=None,
-                   help="Int4GemvConfig fields put over every config the int4 GEMV picks, as "
-                   "step_profile's (an A/B of GEMV modes in the engine)")
+    add_gemv_overrides_argument(r)
     r.add_argument("--bandwidth", type=_rate, default=4.8e12,
                    help="HBM bytes/s of the floor, or 'measure' (a copy, as bench latency)")
     r.add_argument("--peak-flops", type=_rate, default=700e12,
