@@ -189,7 +189,8 @@ def rope_kv_kernel_applies(qkv: jax.Array, kv_pool: KVPool, backend: str,
 
 
 def rope_write_kv_and_attend(
-    qkv: jax.Array,  # [T, Hkv (G + 2) D] the fused projection's output
+    qkv: jax.Array,  # [T, Hkv (G + 2) D] the fused projection's output, or f32[S, T, ..] its
+    # split-K partials (qkv_dtype: the projection's output dtype)
     cos: jax.Array,  # f32[T, D]
     sin: jax.Array,  # f32[T, D]
     kv_pool: KVPool,
@@ -200,12 +201,14 @@ def rope_write_kv_and_attend(
     sliding_window: int | None,
     backend: str = "auto",
     merge: bool = True,
+    qkv_dtype=None,
 ) -> tuple[jax.Array, KVPool]:  # [T, Hq, D], the pool with this step's K/V written
     """RoPE on the queries and keys, the keys and values written into layer ``layer`` of the
-    pool (one kernel), then attention (``merge``: :func:`paged_attention`'s); where
-    :func:`rope_kv_kernel_applies`."""
+    pool (one kernel, which also sums split partials), then attention (``merge``:
+    :func:`paged_attention`'s); where :func:`rope_kv_kernel_applies`."""
     q, k, v = rope_kv_write(qkv, cos, sin, kv_pool.k, kv_pool.v, layer, batch.slot_mapping,
-                            interpret=resolve_backend(backend).endswith("_interpret"))
+                            interpret=resolve_backend(backend).endswith("_interpret"),
+                            dtype=qkv_dtype)
     kv_pool = KVPool(k=k, v=v)
     return paged_attention(q, kv_pool, layer, batch, scale=scale, sliding_window=sliding_window,
                            backend=backend, merge=merge), kv_pool

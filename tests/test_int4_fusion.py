@@ -2,6 +2,8 @@
 over pre-scaled x, and the model's decode step through them, in the interpreter against the
 unfused path."""
 
+import dataclasses
+import functools
 import importlib
 
 import jax
@@ -15,6 +17,7 @@ from jaxllm.pallas_kernels.quantized_matmul.gemv import (
     int4_gemv,
     int4_gemv_prescaled,
     prescale_layout,
+    xla_summed_splits,
 )
 from jaxllm.pallas_kernels.quantized_matmul.gemv_denormal import prescaled_inputs
 from jaxllm.pallas_kernels.quantized_matmul.gemv_prescale import (
@@ -139,6 +142,28 @@ def test_the_gemv_over_prescaled_x_is_the_gemv(name):
     assert prescale_layout(Int4GemvConfig(x_in_kernel=True), K, GROUP) is None
 
 
+def test_the_gemvs_split_partials_sum_to_its_result():
+    """partials=True: the f32 [splits, T, N] XLA would sum, for a kernel after the call to add;
+    counted by xla_summed_splits, refused where the kernel writes the result itself."""
+    w, config = weight(), CONFIGS["xla sums"]
+    x = rows((2, K))
+    step_words, pairs = prescale_layout(config, K, GROUP)
+    xs, xsum = prescaled_inputs(x.reshape(2, K // 8, 8), step_words, pairs, True)
+    call = functools.partial(int4_gemv_prescaled, xs, xsum, w.qweight, w.scales, w.zeros,
+                             dtype=x.dtype, pairs=pairs, group_size=GROUP, interpret=True)
+    parts = call(config=config, partials=True)
+    assert parts.shape == (2, 2, N) and parts.dtype == jnp.float32
+    np.testing.assert_array_equal(f32(parts.sum(0).astype(x.dtype)), f32(call(config=config)))
+    assert xla_summed_splits(config, K, N, GROUP) == 2
+    for name in ("one split", "last split sums"):
+        assert xla_summed_splits(CONFIGS[name], K, N, GROUP) == 0
+        with pytest.raises(ValueError, match="leaves no split partials"):
+            call(config=CONFIGS[name], partials=True)
+    # a partial last column block (N = 384 over 256 columns) leaves wider partials: none
+    wide = dataclasses.replace(CONFIGS["partial column block"], splits_sum="xla")
+    assert xla_summed_splits(wide, K, N, GROUP) == 0
+
+
 def test_the_switch_is_read_with_a_clear_error(monkeypatch):
     monkeypatch.delenv("JAXLLM_INT4_FUSION", raising=False)
     assert int4_fusion.fusion_enabled()  # on by default
@@ -183,7 +208,7 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
     monkeypatch.setattr(linear_module, "resolve_int4_backend", interpreted)
     monkeypatch.setattr(llama, "resolve_int4_backend", interpreted)
     monkeypatch.setenv("JAXLLM_INT4_FUSION", fusion)
-    calls = {"norm": [], "add_norm": [], "merge": [], "gemv": []}
+    calls = {"norm": [], "add_norm": [], "merge": [], "gemv": [], "partials": []}
 
     def spy(name, fn):
         def counted(*args, **kwargs):
@@ -198,6 +223,8 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
     monkeypatch.setattr(int4_fusion, "merge_prescale", spy("merge", int4_fusion.merge_prescale))
     monkeypatch.setattr(linear_module, "prescaled_gemv",
                         spy("gemv", linear_module.prescaled_gemv))
+    monkeypatch.setattr(llama, "prescaled_gemv_partials",
+                        spy("partials", llama.prescaled_gemv_partials))
     jax.clear_caches()  # the switch is read as the forward is traced
     # padded to 124: 17 pages of 8 a sequence, which the decode kernel splits in two (its
     # blocks of 64 keys)
@@ -214,17 +241,19 @@ def test_the_decode_step_through_the_fused_kernels_keeps_the_greedy_tokens(monke
                               dtype="bfloat16").with_layer_layout(True)
     assert model.quantization.group_size == 128
     unfused, none = greedy(model.params, monkeypatch, "off")
-    assert none == {"norm": [], "add_norm": [], "merge": [], "gemv": []}
+    assert none == {"norm": [], "add_norm": [], "merge": [], "gemv": [], "partials": []}
     fused, calls = greedy(model.params, monkeypatch, "on")
     np.testing.assert_array_equal(fused, unfused)
     layers, hidden = CFG.num_hidden_layers, CFG.hidden_size
     # the decode step (one row): the first norm has no block before it; every other adds one
     # (the layer's attention, or the MLP of the layer before); qkv and gate_up read them, and
-    # o the attention's merged splits
+    # o the attention's merged splits; qkv's split partials go unsummed to the RoPE + KV-write
+    # kernel (K = 256: 2 splits of 16 word rows)
     assert calls["norm"] == [(1, hidden)]
     assert calls["add_norm"] == [(1, hidden)] * (2 * layers - 1)
     assert calls["merge"] == [(1, 2, CFG.num_attention_heads, CFG.head_dim)] * layers
-    assert calls["gemv"] == [(1, hidden)] * (3 * layers)
+    assert calls["gemv"] == [(1, hidden)] * (2 * layers)
+    assert calls["partials"] == [(1, hidden)] * layers
 
 
 @pytest.mark.gpu

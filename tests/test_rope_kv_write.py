@@ -50,6 +50,30 @@ def test_the_kernel_is_the_models_rope_and_kv_write(tokens, kv_heads, group, hea
     assert {tuple(c) for c in changed} == written
 
 
+@pytest.mark.parametrize("tokens,splits", [(1, 32), (3, 2)])
+def test_the_kernel_sums_the_projections_split_partials(tokens, splits):
+    """qkv as the 4-bit GEMV's split-K partials f32[S, T, N]: summed in the kernel and rounded
+    to the projection's dtype, as XLA's sum then cast before the call (multiples of 2^-8
+    below 2^8: exact sums in any order)."""
+    _, cos, sin, k_pool, v_pool = case(tokens, 2, 4, 64)
+    rng = np.random.default_rng(1)
+    parts = jnp.asarray(rng.integers(-2**15, 2**15, (splits, tokens, 2 * 6 * 64)) / 2**8,
+                        jnp.float32)
+    slots = jnp.asarray([5, -1, 17][:tokens], jnp.int32)
+    got = rope_kv_write(parts, cos, sin, k_pool, v_pool, 1, slots, interpret=True,
+                        dtype=jnp.bfloat16)
+    want = rope_kv_write_reference(parts, cos, sin, k_pool, v_pool, 1, slots,
+                                   dtype=jnp.bfloat16)
+    summed = rope_kv_write_reference(parts.sum(0).astype(jnp.bfloat16), cos, sin, k_pool,
+                                     v_pool, 1, slots)
+    assert got[0].dtype == jnp.bfloat16
+    for a, b, c in zip(got, want, summed, strict=True):
+        np.testing.assert_array_equal(f32(a), f32(b))
+        np.testing.assert_array_equal(f32(b), f32(c))
+    with pytest.raises(ValueError, match="float32 with the output dtype"):
+        rope_kv_write(parts, cos, sin, k_pool, v_pool, 1, slots, interpret=True)
+
+
 def test_what_the_kernel_does_not_take():
     pool = (1, 8, 16, 8, 128)
     assert unsupported((1, 8 * 6 * 128), pool, jnp.bfloat16, jnp.bfloat16) is None
@@ -126,6 +150,25 @@ def test_the_kernel_compiled_is_the_models_rope_and_kv_write(tokens):
     slots = slots.at[0].set(-1)
     got = jax.jit(rope_kv_write)(qkv, cos, sin, k_pool, v_pool, 0, slots)
     want = jax.jit(rope_kv_write_reference)(qkv, cos, sin, k_pool, v_pool, 0, slots)
+    for a, b in zip(got[:2], want[:2], strict=True):
+        np.testing.assert_allclose(f32(a), f32(b), rtol=2.0**-7, atol=2.0**-7)
+    np.testing.assert_array_equal(f32(got[2]), f32(want[2]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernel needs a GPU")
+def test_the_kernel_compiled_sums_split_partials():
+    """Compiled, the 8B qkv GEMV's 32 split partials of one token (as the AWQ one-row step
+    passes them): exact sums (multiples of 2^-8 below 2^8), so the values equal XLA's sum then
+    the reference's; the rotated ones within a bf16 rounding."""
+    _, cos, sin, k_pool, v_pool = case(1, 8, 4, 128, layers=1, blocks=64, block_size=16)
+    rng = np.random.default_rng(2)
+    parts = jnp.asarray(rng.integers(-2**15, 2**15, (32, 1, 8 * 6 * 128)) / 2**8, jnp.float32)
+    slots = jnp.asarray([77], jnp.int32)
+    got = jax.jit(rope_kv_write, static_argnames="dtype")(parts, cos, sin, k_pool, v_pool, 0,
+                                                          slots, dtype=jnp.bfloat16)
+    want = jax.jit(rope_kv_write_reference, static_argnames="dtype")(
+        parts, cos, sin, k_pool, v_pool, 0, slots, dtype=jnp.bfloat16)
     for a, b in zip(got[:2], want[:2], strict=True):
         np.testing.assert_allclose(f32(a), f32(b), rtol=2.0**-7, atol=2.0**-7)
     np.testing.assert_array_equal(f32(got[2]), f32(want[2]))

@@ -56,9 +56,12 @@ from jaxllm.layers.fp8_kernels import (
     swiglu_product_dtype,
 )
 from jaxllm.layers.int4_fusion import (
+    Int4Activation,
     attention_prescale_layout,
+    gemv_partial_splits,
     merged_prescaled,
     norm_prescale_layout,
+    prescaled_gemv_partials,
     rmsnorm_prescaled,
 )
 from jaxllm.layers.linear import (
@@ -136,15 +139,30 @@ class Attention(nn.Module):
         dense = lambda n, bias, name: Linear(n, bias, self.dtype, self.mesh, name=name)
         kv_heads = cfg.num_key_value_heads
         group = cfg.num_attention_heads // kv_heads
-        qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
-        # JAXLLM_INT4_FUSION: the decode kernel's splits merged by the kernel that writes the
-        # 4-bit o projection's pre-scaled x (its steps one head each)
-        o_kernel = {} if self.is_initializing() else self.variables["params"]["o_proj"]
-        o_prescale = output_prescale(qkv.shape[0], cfg, o_kernel.get("kernel"), self.mesh)
+        params = {} if self.is_initializing() else self.variables["params"]
+        qkv_kernel = params.get("qkv_proj", {}).get("kernel")
+        # JAXLLM_INT4_FUSION (x pre-scaled for the 4-bit GEMV): the qkv GEMV's split partials
+        # summed by the RoPE + KV-write kernel, not by an XLA kernel between them
+        splits = 0
+        if isinstance(x, Int4Activation) and not cfg.attention_bias and rope_kv_kernel_applies(
+                jax.ShapeDtypeStruct((x.shape[0], qkv_kernel.shape[1]), x.dtype), kv_pool,
+                self.backend, self.mesh):
+            splits = gemv_partial_splits(x, qkv_kernel)
+        if splits:
+            qkv = prescaled_gemv_partials(x, qkv_kernel, resolve_int4_backend("auto")
+                                          == "pallas_interpret")  # f32[S, T, N]
+        else:
+            qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
+        tokens = qkv.shape[-2]
+        # and the decode kernel's splits merged by the kernel that writes the 4-bit o
+        # projection's pre-scaled x (its steps one head each)
+        o_kernel = params.get("o_proj", {})
+        o_prescale = output_prescale(tokens, cfg, o_kernel.get("kernel"), self.mesh)
         attend = dict(scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
                       backend=self.backend, merge=o_prescale is None)
-        if rope_kv_kernel_applies(qkv, kv_pool, self.backend, self.mesh):
+        if splits or rope_kv_kernel_applies(qkv, kv_pool, self.backend, self.mesh):
             out, kv_pool = rope_write_kv_and_attend(qkv, cos, sin, kv_pool, layer, batch,
+                                                    qkv_dtype=x.dtype if splits else None,
                                                     **attend)
         else:
             qkv = qkv.reshape(-1, kv_heads, group + 2, cfg.head_dim)  # [T, Hkv, G + 2, D]

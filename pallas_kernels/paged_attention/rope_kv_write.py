@@ -14,9 +14,11 @@ one head of one token::
                         h = G + 1:  v_pool[layer, slot t] [j] = y
 
 The rotation is :func:`rotate_half`, the model's (cos/sin [T, D], both halves' angles
-given). :func:`rope_kv_write` has the signature of
-:func:`rope_kv_write_reference`; a pool of another dtype than qkv's (the FP8 KV cache) is not
-taken (:func:`unsupported`).
+given). The qkv row may come as the 4-bit GEMV's split-K partials f32[S, T, N]: each program
+then sums its head's S partials (in split order) and rounds them as the projection would,
+instead of XLA summing them in a kernel of its own before this one. :func:`rope_kv_write`
+has the signature of :func:`rope_kv_write_reference`; a pool of another dtype than qkv's
+(the FP8 KV cache) is not taken (:func:`unsupported`).
 """
 
 from __future__ import annotations
@@ -46,14 +48,27 @@ def unsupported(qkv_shape: tuple[int, ...], pool_shape: tuple[int, ...], qkv_dty
     return None
 
 
+def _read_half(qkv_ref, t, col, half: int, dtype, splits: int):
+    """Token t's values [col, col + half) in float32: of qkv [T, N], or with ``splits`` the
+    sum of the projection's split partials f32[splits, T, N] in split order, rounded to
+    ``dtype`` as the projection's own output is."""
+    if not splits:
+        return qkv_ref[t, pl.ds(col, half)].astype(jnp.float32)
+    parts = [qkv_ref[s, t, pl.ds(col, half)] for s in range(splits)]  # issued together
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total.astype(dtype).astype(jnp.float32)
+
+
 def _kernel(layer_ref, slot_ref, qkv_ref, cos_ref, sin_ref, _k_in, _v_in, q_ref, k_ref, v_ref,
             *, group: int, head_dim: int, kv_heads: int, num_blocks: int, block_size: int,
-            dtype):
+            dtype, splits: int):
     t, j, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = head_dim // 2
     col = (j * (group + 2) + h) * head_dim
-    lo = qkv_ref[t, pl.ds(col, half)].astype(jnp.float32)
-    hi = qkv_ref[t, pl.ds(col + half, half)].astype(jnp.float32)
+    lo = _read_half(qkv_ref, t, col, half, dtype, splits)
+    hi = _read_half(qkv_ref, t, col + half, half, dtype, splits)
 
     @pl.when(h <= group)  # a query or the key: rotated
     def _rotated():
@@ -93,9 +108,10 @@ def _store_slot(pool_ref, layer_ref, slot_ref, t, j, lo, hi, *, half: int, kv_he
         pool_ref[row, pl.ds(half, half)] = hi
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "dtype"))
 def rope_kv_write(
-    qkv: jax.Array,  # [T, Hkv (G + 2) D] the fused projection's output
+    qkv: jax.Array,  # [T, Hkv (G + 2) D] the fused projection's output, or f32[S, T, ..] its
+    # split-K partials (with dtype)
     cos: jax.Array,  # f32[T, D]
     sin: jax.Array,  # f32[T, D]
     k_pool: jax.Array,  # [L, num_blocks, block_size, Hkv, D], updated in place
@@ -104,22 +120,32 @@ def rope_kv_write(
     slot_mapping: jax.Array,  # i32[T]; < 0: a padded token, nothing written
     *,
     interpret: bool = False,
+    dtype=None,  # with partials: the projection's output dtype (their sum is rounded to it)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q [T, Hq, D], k_pool, v_pool)
-    why = unsupported(qkv.shape, k_pool.shape, qkv.dtype, k_pool.dtype)
+    """With split partials each program sums its head's S partials itself (in split order)
+    instead of XLA summing them in a kernel of its own before the call (the 4-bit qkv
+    GEMV's: one launch fewer a layer)."""
+    splits = qkv.shape[0] if qkv.ndim == 3 else 0
+    if splits and (dtype is None or qkv.dtype != jnp.float32):
+        raise ValueError(f"split partials must be float32 with the output dtype given, got "
+                         f"{qkv.dtype} {qkv.shape} and dtype={dtype}")
+    dtype = jnp.dtype(dtype or qkv.dtype)
+    why = unsupported(qkv.shape[-2:], k_pool.shape, dtype, k_pool.dtype)
     if why is not None:
         raise ValueError(why)
     _, num_blocks, block_size, kv_heads, head_dim = k_pool.shape
-    tokens = qkv.shape[0]
-    group = qkv.shape[1] // (kv_heads * head_dim) - 2
+    tokens = qkv.shape[-2]
+    group = qkv.shape[-1] // (kv_heads * head_dim) - 2
     whole = pl.BlockSpec()
     kernel = functools.partial(_kernel, group=group, head_dim=head_dim, kv_heads=kv_heads,
-                               num_blocks=num_blocks, block_size=block_size, dtype=qkv.dtype)
+                               num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                               splits=splits)
     q, k, v = pl.pallas_call(
         kernel,
         grid=(tokens, kv_heads, group + 2),
         in_specs=[whole] * 7,
         out_specs=[whole] * 3,
-        out_shape=[jax.ShapeDtypeStruct((tokens * kv_heads * group, head_dim), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((tokens * kv_heads * group, head_dim), dtype),
                    jax.ShapeDtypeStruct(flat_pool(k_pool).shape, k_pool.dtype),
                    jax.ShapeDtypeStruct(flat_pool(v_pool).shape, v_pool.dtype)],
         input_output_aliases={5: 1, 6: 2},
@@ -143,11 +169,13 @@ def rotate_half(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def rope_kv_write_reference(qkv, cos, sin, k_pool, v_pool, layer, slot_mapping, *,
-                            interpret: bool = False):
-    """The model's steps in XLA: the qkv row split into heads, RoPE on q and k
-    (:func:`rotate_half`), K and V set at their slots (``kv_pool.write_kv``'s:
-    slots < 0 write nothing)."""
+                            interpret: bool = False, dtype=None):
+    """The model's steps in XLA: the qkv row (split partials: summed, in ``dtype``) split into
+    heads, RoPE on q and k (:func:`rotate_half`), K and V set at their slots
+    (``kv_pool.write_kv``'s: slots < 0 write nothing)."""
     del interpret
+    if qkv.ndim == 3:
+        qkv = qkv.sum(axis=0).astype(dtype)
     num_blocks, block_size, kv_heads, head_dim = k_pool.shape[1:]
     tokens = qkv.shape[0]
     heads = qkv.reshape(tokens, kv_heads, -1, head_dim)  # [T, Hkv, G + 2, D]

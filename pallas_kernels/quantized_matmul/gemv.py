@@ -261,7 +261,8 @@ def int4_gemv(
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("dtype", "pairs", "group_size", "interpret", "config"))
+                   static_argnames=("dtype", "pairs", "group_size", "interpret", "config",
+                                    "partials"))
 def int4_gemv_prescaled(
     xs: jax.Array,  # f32[M, K/8, 8]: x scaled per nibble position (prescaled_inputs)
     xsum: jax.Array,  # f32[M, K/8/step_words]: each step's x sum times 2^-X_EXP
@@ -274,10 +275,13 @@ def int4_gemv_prescaled(
     group_size: int,
     interpret: bool = False,
     config: Int4GemvConfig | None = None,
-) -> jax.Array:  # [M, N] in dtype
+    partials: bool = False,
+) -> jax.Array:  # [M, N] in dtype; with partials f32[splits, M, N]
     """:func:`int4_gemv` of the x whose pre-scaled inputs ``(xs, xsum)`` another kernel wrote
     (gemv_prescale.rmsnorm_prescale: the RMSNorm before the projection); a ValueError where
-    the config's kernel reads another layout (:func:`prescale_layout`)."""
+    the config's kernel reads another layout (:func:`prescale_layout`). ``partials``: the
+    splits' float32 sums unsummed, for a kernel after the call to add (where
+    :func:`xla_summed_splits` counts them; a ValueError elsewhere)."""
     m, words, _ = xs.shape
     k, n = words * PER_WORD, qweight.shape[1]
     config = _checked_config(m, k, words, n, group_size, config)
@@ -288,7 +292,16 @@ def int4_gemv_prescaled(
                          f"xsum {xsum.shape}: the GEMV's config {config} reads {layout}")
     return _launch(_denormal(config, pairs, prescaled=True), [xs, xsum], qweight, scales,
                    zeros, rows=m, m=m, dtype=dtype, group_size=group_size, config=config,
-                   interpret=interpret)
+                   interpret=interpret, partials=partials)
+
+
+def xla_summed_splits(config: Int4GemvConfig, k: int, n: int, group_size: int) -> int:
+    """How many float32 partials the config's call leaves for XLA to sum (splits_sum "xla",
+    or the dot, over several splits) at exactly N columns (whole column blocks); 0 where the
+    kernel writes the result itself (one split, "last") or adds it ("atomic")."""
+    splits = config.splits(k, n, group_size)
+    mode = "one" if splits == 1 else "xla" if config.dot else config.splits_sum
+    return splits if mode == "xla" and n % config.block_n == 0 else 0
 
 
 def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
@@ -298,12 +311,15 @@ def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
 
 
 def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dtype,
-            group_size: int, config: Int4GemvConfig,
-            interpret: bool) -> jax.Array:  # [M, N] in dtype
+            group_size: int, config: Int4GemvConfig, interpret: bool,
+            partials: bool = False) -> jax.Array:  # [M, N] in dtype
     """The GEMV's pallas_call over ``x_in`` (whole arrays, read by every program) and the
-    weight's column blocks and splits, and its result (gemv_splits.split_outputs)."""
+    weight's column blocks and splits, and its result (gemv_splits.split_outputs); with
+    ``partials``, the f32 [splits, M, N] XLA would sum."""
     words, n = qweight.shape
     k = words * PER_WORD
+    if partials and not xla_summed_splits(config, k, n, group_size):
+        raise ValueError(f"the config {config} leaves no split partials at [K={k}, N={n}]")
     step_words = config.step_words(k, group_size)
     splits = config.splits(k, n, group_size)
     split_words = words // splits
@@ -340,6 +356,8 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
         interpret=interpret,
         name="int4_gemv",
     )(*args)
+    if partials:
+        return result[0][:, :m]
     return outs.result(result, m, n, dtype)
 
 
