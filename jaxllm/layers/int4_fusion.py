@@ -13,7 +13,10 @@ The unrolled layers then hand the next layer the MLP's output with the stream, u
 vLLM's Llama does for its fused add + RMSNorm (``models.llama.DecoderLayer``). Likewise the
 decode attention's split-K merge writes the o projection's pre-scaled x (``merge_prescale``,
 where the GEMV's steps are one head each): one launch fewer a layer for XLA's merge and
-prescale.
+prescale. And the qkv GEMV's split-K partials go unsummed to the RoPE + KV-write kernel, which
+adds them itself (``rope_kv_write``; with ``JAXLLM_ROPE_KV_KERNEL``, no qkv bias): one launch
+fewer a layer for XLA's sum (the 8B AWQ one-row step 425 -> 393 launches, compiled for the
+H200 on the CPU; not yet timed).
 
 On by default since the H100 timed it (RESULTS.md, 2026-12-06): the AWQ one-row step's
 device time 2.989 -> 2.863 ms (2.798 with ``JAXLLM_ROPE_KV_KERNEL``), its kernels'
