@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one-row decode step of two trees side by side on one GPU (alternating, one process each,
-# bench latency --device-time), after the second tree's grid-barrier GPU tests and benchmark.
+# The grid-barrier benchmark and GPU tests (the second tree's), then the one-row decode step of
+# two trees side by side on one GPU (alternating, one process each, bench latency
+# --device-time).
 # The trees come as `git archive`s (the device's copy has no .git), made here:
 #   mkdir -p .gpu_ab && git archive --format=tar.gz -o .gpu_ab/a.tgz <A> -- . ':!benchmarks/results'
 #   git archive --format=tar.gz -o .gpu_ab/b.tgz <B> -- . ':!benchmarks/results'
@@ -18,10 +19,12 @@ run() {
    echo "rc=$?" >> "$OUT/ab/$name.log")
   echo "== $name"; tail -"${TAIL:-4}" "$OUT/ab/$name.log"
 }
-LIMIT=150 TAIL=6 run b gpu_tests -m pytest -q -p no:cacheprovider -m gpu \
-  tests/test_grid_barrier.py tests/test_rope_kv_write.py
 LIMIT=120 TAIL=12 run b gb -m jaxllm.benchmarks.grid_barrier --layers 4 \
   --output-json "$OUT/ab/gb.json"
+LIMIT=90 TAIL=12 run b gb_small -m jaxllm.benchmarks.grid_barrier --layers 4 \
+  --phase-mb 1,1,1,1 --output-json "$OUT/ab/gb_small.json"
+LIMIT=150 TAIL=6 run b gpu_tests -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_grid_barrier.py tests/test_rope_kv_write.py
 for round in 1 2; do
   for tree in a b; do
     # shellcheck disable=SC2086
@@ -31,5 +34,3 @@ for round in 1 2; do
 done
 # shellcheck disable=SC2086
 run b l1_bf16_b $LAT --output-json "$OUT/ab/l1_bf16_b.json"
-LIMIT=90 TAIL=12 run b gb_small -m jaxllm.benchmarks.grid_barrier --layers 4 \
-  --phase-mb 1,1,1,1 --output-json "$OUT/ab/gb_small.json"
