@@ -45,7 +45,7 @@ def test_phase_steps_split_each_phase_over_the_programs_tiles():
         bench.phases_program("fused", STEPS, 4)
 
 
-def _sass(mode: str) -> list[str]:
+def _sass(mode: str, tmp_path) -> list[str]:
     import triton
     from jaxllm.benchmarks import kernel_sass, xla_cubin
 
@@ -55,11 +55,10 @@ def _sass(mode: str) -> list[str]:
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                              "cuobjdump")
     for cubin in xla_cubin.executable_cubins(compiled):
-        with open(path := f"/tmp/grid_barrier_{os.getpid()}.cubin", "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True,
+        path = tmp_path / "kernel.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True,
                               check=True).stdout
-        os.unlink(path)
         if f"phases_{mode}" in sass:
             return kernel_sass._opcodes(sass)
     raise AssertionError(f"no phases_{mode} kernel in the executable")
@@ -68,15 +67,15 @@ def _sass(mode: str) -> list[str]:
 @needs_cuda_plugin
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="the cuobjdump that reads the cubin comes with triton")
-def test_the_barrier_as_xla_compiles_it_for_sm90():
+def test_the_barrier_as_xla_compiles_it_for_sm90(tmp_path):
     """One thread arrives (a GPU-scope fence, then the atomic add), every thread polls with
     strong loads, one re-acquires (the atomic add of 0, the L1 invalidated); with prefetch the
     next phase's tile (8 16-byte loads a thread) is asked for before the arrival."""
-    ops = _sass("barrier")
+    ops = _sass("barrier", tmp_path)
     arrive = ops.index("ATOMG.E.ADD.STRONG.GPU")
     assert ops[arrive - 3:arrive].count("MEMBAR.ALL.GPU") == 1 and ops[arrive + 1] == "CCTL.IVALL"
     assert ops.count("ATOMG.E.ADD.STRONG.GPU") == 2 and ops.count("LDG.E.STRONG.SYS") == 1
-    prefetched = _sass("prefetch")
+    prefetched = _sass("prefetch", tmp_path)
     arrive = prefetched.index("ATOMG.E.ADD.STRONG.GPU")
     assert prefetched[arrive - 30:arrive].count("LDG.E.128") == 8
 
