@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-from jaxllm.pallas_kernels.grid_barrier import grid_barrier
+from jaxllm.pallas_kernels.grid_barrier import INTERPRET_REFUSAL, grid_barrier
 
 TILE = (16, 256)  # i32 words a step a program: 16 KB, 8 16-byte loads a thread at 4 warps
 NUM_WARPS = 4
@@ -128,9 +127,8 @@ def phases_program(mode: str, steps: tuple, programs: int, interpret: bool = Fal
         )(data, count)
         return out, ok
 
-    if mode != "kernels" and interpret and mode != "unsynced":
-        raise ValueError("a grid barrier needs every program resident at once; the "
-                         "interpreter runs them one after another")
+    if interpret and mode in ("barrier", "prefetch"):
+        raise ValueError(INTERPRET_REFUSAL)
     return jax.jit(chained if mode == "kernels" else fused)
 
 
@@ -162,7 +160,7 @@ def _back_to_back_us(fn, data, iters: int) -> float:
 
 def run(args) -> dict:
     from jaxllm.benchmarks.latency import traced_calls
-    from jaxllm.benchmarks.provenance import source_commit
+    from jaxllm.benchmarks.provenance import source_commit, write_json
 
     if jax.default_backend() != "gpu":
         raise SystemExit("grid_barrier times GPU kernels: it needs a GPU")
@@ -194,9 +192,7 @@ def run(args) -> dict:
         result["rows"].append(row)
         print(f"{mode:<10}{str(correct):>8}{b2b:>10.1f}{busy:>11.1f}{launches:>9.0f}"
               f"{row['gb_s']:>8.0f}{row['us_per_boundary']:>13.2f}", flush=True)
-        if args.output_json:
-            with open(args.output_json, "w") as f:
-                json.dump(result, f, indent=1)
+        write_json(result, args.output_json)
     return result
 
 

@@ -22,7 +22,6 @@ reader): the GEMV with its own weight touched against the GEMV after the other t
 from __future__ import annotations
 
 import argparse
-import json
 
 from jaxllm.benchmarks.int4_matmul import SHAPES, _weights
 
@@ -70,7 +69,7 @@ def _kernel_us(fn, args, copies: int, reps: int) -> dict:
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
-    from jaxllm.benchmarks.provenance import source_commit
+    from jaxllm.benchmarks.provenance import source_commit, write_json
 
     if jax.default_backend() != "gpu":
         raise SystemExit("l2_prefetch times GPU kernels from a profiler trace: it needs a GPU")
@@ -99,9 +98,7 @@ def run(args) -> dict:
             print(f"{shape:<8}{fraction:>9.2f}{cold['gemv_us']:>14.2f}"
                   f"{warm['gemv_us']:>17.2f}{warm['other_us']:>10.2f}"
                   f"{row['saved_us']:>10.2f}", flush=True)
-            if args.output_json:
-                with open(args.output_json, "w") as f:
-                    json.dump(result, f, indent=1)
+            write_json(result, args.output_json)
     return result
 
 

@@ -26,6 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 DEFAULT_MAX_POLLS = 1 << 22  # ~seconds of polling: far past any phase, short of a hang
+INTERPRET_REFUSAL = ("a grid barrier needs every program resident at once; the interpreter "
+                     "runs them one after another")
 
 
 def grid_barrier(count_ref, target, *, max_polls: int = DEFAULT_MAX_POLLS,
@@ -34,8 +36,7 @@ def grid_barrier(count_ref, target, *, max_polls: int = DEFAULT_MAX_POLLS,
     ``target`` arrivals, this program's included; a bool: False where it gave up after
     ``max_polls`` polls. ``count_ref`` is a [1] (or longer) int32 ref every program shares."""
     if interpret:
-        raise ValueError("a grid barrier needs every program resident at once; the "
-                         "interpreter runs them one after another")
+        raise ValueError(INTERPRET_REFUSAL)
     pltriton.debug_barrier()  # this program's stores issued before it arrives
     pltriton.atomic_add(count_ref, (0,), jnp.int32(1))
 
