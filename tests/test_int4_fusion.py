@@ -223,8 +223,7 @@ def greedy(params, monkeypatch, fusion: str) -> tuple[np.ndarray, dict]:
     monkeypatch.setattr(int4_fusion, "merge_prescale", spy("merge", int4_fusion.merge_prescale))
     monkeypatch.setattr(linear_module, "prescaled_gemv",
                         spy("gemv", linear_module.prescaled_gemv))
-    monkeypatch.setattr(llama, "prescaled_gemv_partials",
-                        spy("partials", llama.prescaled_gemv_partials))
+    monkeypatch.setattr(llama, "prescaled_gemv", spy("partials", llama.prescaled_gemv))
     jax.clear_caches()  # the switch is read as the forward is traced
     # padded to 124: 17 pages of 8 a sequence, which the decode kernel splits in two (its
     # blocks of 64 keys)

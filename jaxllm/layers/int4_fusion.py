@@ -130,25 +130,19 @@ def rmsnorm_prescaled(x: jax.Array, weight: jax.Array, eps: float, layout: tuple
 def gemv_partial_splits(x: Int4Activation, kernel) -> int:
     """Static: how many float32 split partials the GEMV of ``x`` over this 4-bit ``kernel``
     leaves for XLA to sum (0: none; gemv.xla_summed_splits), which a kernel reading the
-    projection's output may add itself instead (:func:`prescaled_gemv_partials`)."""
+    projection's output may add itself instead (:func:`prescaled_gemv`'s partials)."""
     tokens, k = x.shape
     n = kernel.shape[1]
     return gemv.xla_summed_splits(gemv.gemv_config(tokens, k, n, kernel.group_size), k, n,
                                   kernel.group_size)
 
 
-def prescaled_gemv_partials(x: Int4Activation, kernel, interpret: bool) -> jax.Array:
-    """f32[S, T, N]: :func:`prescaled_gemv`'s split-K partials, unsummed (where
+def prescaled_gemv(x: Int4Activation, kernel, interpret: bool,
+                   partials: bool = False) -> jax.Array:
+    """``x @ kernel`` [T, N] in x's dtype through the GEMV on its pick's config (``kernel``
+    an Int4Weight); with ``partials``, its split-K partials unsummed, f32[S, T, N] (where
     :func:`gemv_partial_splits` counts S > 0)."""
     return gemv.int4_gemv_prescaled(x.xs, x.xsum, kernel.qweight, kernel.scales,
                                     kernel.zeros, dtype=x.dtype, pairs=x.pairs,
                                     group_size=kernel.group_size, interpret=interpret,
-                                    partials=True)
-
-
-def prescaled_gemv(x: Int4Activation, kernel, interpret: bool) -> jax.Array:
-    """``x @ kernel`` [T, N] in x's dtype through the GEMV on its pick's config (``kernel``
-    an Int4Weight)."""
-    return gemv.int4_gemv_prescaled(x.xs, x.xsum, kernel.qweight, kernel.scales,
-                                    kernel.zeros, dtype=x.dtype, pairs=x.pairs,
-                                    group_size=kernel.group_size, interpret=interpret)
+                                    partials=partials)

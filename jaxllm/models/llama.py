@@ -61,7 +61,7 @@ from jaxllm.layers.int4_fusion import (
     gemv_partial_splits,
     merged_prescaled,
     norm_prescale_layout,
-    prescaled_gemv_partials,
+    prescaled_gemv,
     rmsnorm_prescaled,
 )
 from jaxllm.layers.linear import (
@@ -149,8 +149,8 @@ class Attention(nn.Module):
                 self.backend, self.mesh):
             splits = gemv_partial_splits(x, qkv_kernel)
         if splits:
-            qkv = prescaled_gemv_partials(x, qkv_kernel, resolve_int4_backend("auto")
-                                          == "pallas_interpret")  # f32[S, T, N]
+            qkv = prescaled_gemv(x, qkv_kernel, resolve_int4_backend("auto")
+                                 == "pallas_interpret", partials=True)  # f32[S, T, N]
         else:
             qkv = dense(cfg.q_size + 2 * cfg.kv_size, cfg.attention_bias, "qkv_proj")(x)
         tokens = qkv.shape[-2]
