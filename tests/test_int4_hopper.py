@@ -157,6 +157,25 @@ def test_n_major_weights_equal_the_packed_ones_and_run_the_kernel():
     assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
+def test_n_major_projections_past_the_kernels_tokens_take_xla():
+    """Past INT4_HOPPER_MAX_TOKENS an N-major projection is XLA's dequantize and dot, the
+    weight contracted on its stored K (no Hopper kernel in the program), with the packed
+    weight's products: within a bf16 rounding of its result."""
+    from jaxllm.layers.linear import INT4_HOPPER_MAX_TOKENS, Int4Weight, int4_n_major, linear
+
+    tokens = INT4_HOPPER_MAX_TOKENS + 1
+    x, words, scales, zeros = _case(tokens, 256, 128, 128, seed=5)
+    packed = Int4Weight(words, scales, zeros)
+    nk = int4_n_major({"k": packed})["k"]
+    run = jax.jit(lambda x: linear(x, nk, int4_backend="pallas_interpret"))
+    jaxpr = str(jax.make_jaxpr(run)(x))
+    assert "pallas_call" not in jaxpr and "dot_general" in jaxpr
+    ref = np.asarray(linear(x, packed), np.float32)
+    out = np.asarray(run(x), np.float32)
+    assert out.shape == (tokens, 128)
+    assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
 def test_n_major_conversion_frees_owned_packed_words():
     """``int4_n_major(donate=True)`` (the engine's own load): each packed weight is freed as
     its N-major copy is made, so the load never holds the model's 4-bit weights twice; words

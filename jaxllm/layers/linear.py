@@ -18,8 +18,8 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   once, FMAs), and one of at most :data:`INT4_KERNEL_MAX_TOKENS` its tiled matmul kernel;
   both dequantize in registers (decode reads a quarter of bf16's bytes); with
   ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
-  and a Hopper GPU runs 1-4 tokens through the N-major GEMV and more through one Mosaic GPU
-  kernel (timed alone on the H200, not yet in the engine).
+  and a Hopper GPU runs 1-4 tokens through the N-major GEMV, up to
+  :data:`INT4_HOPPER_MAX_TOKENS` through one Mosaic GPU kernel and more through XLA.
   Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
   tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
   that path's).
@@ -156,10 +156,11 @@ class Int4WeightNK:
 # (Int4WeightNK) and every 4-bit projection runs over them: the N-major GEMV at 1-4 tokens
 # (gemv_nk.py), the Mosaic GPU kernel above (pallas_kernels/quantized_matmul/hopper.py, the
 # weight as wgmma's register operand), instead of the GEMV, the tiled Triton kernel and XLA's
-# dequantize and dot. Off until the engine is timed through it (h200_accept.sh's t1ah): alone
-# on the H200 the Hopper kernel beat XLA's path 3.2x at 128 tokens and lost to the GEMV at
-# 1-16 (RESULTS.md, 2026-12-05, i5); the N-major GEMV is untimed. Read where the engine
-# loads, so listed among the executable cache's program variables (executable_cache.PROGRAM_ENV).
+# dequantize and dot. Off by default: alone on the H200 the Hopper kernel beat XLA's path 3.2x
+# at 128 tokens and lost to the GEMV at 1-16 (RESULTS.md, 2026-12-05, i5), and through the
+# engine on the H100 (2026-12-07, t1ah) its 17-512-row decode steps were faster, its one-row
+# step slower (3.85 ms against ~2.9). Read where the engine loads, so listed among the
+# executable cache's program variables (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
 
 
@@ -201,12 +202,25 @@ def _int4_nk_matmul(x: jax.Array, kernel: Int4WeightNK, backend: str) -> jax.Arr
     if backend != "xla" and nk_gemv_unsupported(tokens, k, n, kernel.group_size) is None:
         return int4_gemv_nk(x, kernel.w, kernel.scales, kernel.zeros,
                             group_size=kernel.group_size, centred_zeros=True, interpret=interpret)
-    if backend != "xla" and hopper_unsupported(tokens, k, n, kernel.group_size) is None:
+    if (backend != "xla" and tokens <= INT4_HOPPER_MAX_TOKENS
+            and hopper_unsupported(tokens, k, n, kernel.group_size) is None):
         return int4_matmul_hopper_nk(x, kernel.w, kernel.scales, kernel.zeros,
                                      group_size=kernel.group_size, centred_zeros=True,
                                      interpret=interpret)
     x, weight = _after_input(x, kernel)
-    return jnp.dot(x, weight.dequantize(x.dtype))
+    return _n_major_dequantized_dot(x, weight)
+
+
+def _n_major_dequantized_dot(x: jax.Array, kernel: Int4WeightNK) -> jax.Array:
+    """``x @ W`` with W dequantized as it is stored, [N, K], and contracted on its K: cuBLAS
+    takes a transposed operand, so no [K, N] copy is transposed first. The same products in
+    x's dtype as :meth:`Int4WeightNK.dequantize`."""
+    n, k = kernel.w.shape
+    groups = kernel.scales.shape[-2]
+    nibbles = kernel.w.astype(jnp.int32).reshape(n, groups, k // groups)  # [N, G, g]
+    weight = ((nibbles - kernel.zeros.T[..., None].astype(jnp.int32)).astype(x.dtype)
+              * kernel.scales.T[..., None].astype(x.dtype)).reshape(n, k)
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
 
 
 # Token counts up to this run the 4-bit kernel on a GPU; more go through XLA's dequantize and
@@ -217,6 +231,12 @@ INT4_KERNEL_MAX_TOKENS = 64
 # row tile (more tokens, more tiles: the tiled kernel's job), not a measurement:
 # benchmarks/int4_matmul.py prints both kernels at 1, 4 and 16 tokens.
 INT4_GEMV_MAX_TOKENS = 16
+# N-major weights (JAXLLM_INT4_HOPPER=on): token counts up to this run the Hopper kernel; more
+# go through XLA's dequantize and cuBLAS. Measured through the engine on the H100
+# (RESULTS.md, 2026-12-07, t1a against t1ah): the Hopper kernel's decode steps of 257-512
+# rows took 22.5 ms against 25.8 for XLA's path, of 513-1024 rows 39.0 against 37.8, and the
+# 8,192-token mixed steps 290 against 200.
+INT4_HOPPER_MAX_TOKENS = 512
 INT4_BACKENDS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
