@@ -4,9 +4,10 @@ phase's first memory latency (GPU only).
 
 The one-row AWQ decode step is ~13 kernels a layer whose small GEMVs are bound by their own
 ramp and tail (RESULTS.md, H100, 2026-12-06: 4.3 us for o even with its weight in L2), so
-its 2.5x goal needs a step with far fewer kernel boundaries: a persistent kernel running a
+fewer kernel boundaries looked like its 2.5x goal's path: a persistent kernel running a
 layer's phases with grid barriers between them (``pallas_kernels/grid_barrier.py``). This
-measures that primitive before any kernel is built on it. Every variant streams the same
+measures that primitive before any kernel is built on it (on an H100, 2026-12-07: the barrier
+lost to the kernel boundary at these phase sizes, RESULTS.md). Every variant streams the same
 data, ``--phase-mb`` a phase (by default the Llama-3-8B AWQ layer's four weights: qkv, o,
 gate_up, down) for ``--layers`` layers, over one program per SM (4 warps, 16 KB a step a
 program, the next step's tile loaded while this one is added)::
