@@ -86,6 +86,20 @@ HOPPER_SWEEP = [
     ("8 stages", dict(max_concurrent_steps=8)),
     ("k64, 8 stages", dict(tile_k=64, max_concurrent_steps=8)),
 ]
+# --nk-sweep (with --hopper): the N-major GEMV's configs beside its pick (nk_gemv_config). Its
+# one-row engine step was ~32% slower than the packed one's on an H100 (RESULTS.md,
+# 2026-12-07) while its config was never timed against others: these vary what GEMV_TABLE
+# varies for the packed GEMV (warps, columns a program, splits) and its two options.
+NK_GEMV_SWEEP = [
+    ("2 warps", dict(num_warps=2)),
+    ("8 warps", dict(num_warps=8)),
+    ("block_n 128", dict(block_n=128)),
+    ("block_n 512", dict(block_n=512)),
+    ("256 programs", dict(target_programs=256)),
+    ("1024 programs", dict(target_programs=1024)),
+    ("x in kernel", dict(x_in_kernel=True)),
+    ("2 warps, x in kernel", dict(num_warps=2, x_in_kernel=True)),
+]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
 GEMV_BEFORE = {

@@ -19,7 +19,8 @@ lines to paste into ``GEMV_TABLE`` (pallas_kernels/quantized_matmul/gemv.py). ``
 adds the GEMV as it was before its denormal inner loop ("gemv before"), timed in the same
 process as the current one ("gemv"). ``--hopper`` adds the Mosaic GPU kernel
 (``int4_matmul_hopper_nk``, the weight converted to int4 [N, K] before the timing) and, at 1-4
-tokens, the GEMV over that same weight (``int4_gemv_nk``):
+tokens, the GEMV over that same weight (``int4_gemv_nk``; ``--nk-sweep`` adds its configs
+beside its pick):
 
     python -m jaxllm.benchmarks.int4_matmul --models 8b --tokens 1 --gemv-before --gemv-sweep
 
@@ -41,6 +42,7 @@ from jaxllm.benchmarks.int4_configs import (  # the configs it times besides eac
     GEMV_MODES,
     GEMV_SWEEP,
     HOPPER_SWEEP,
+    NK_GEMV_SWEEP,
 )
 
 # Projections (K, N) as jaxllm fuses them: qkv = q + k + v, gate_up = gate + up.
@@ -94,6 +96,7 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         nk_gemv_unsupported,
         unsupported,
     )
+    from jaxllm.pallas_kernels.quantized_matmul.gemv_nk import nk_gemv_config
     from jaxllm.pallas_kernels.quantized_matmul.hopper import config_for as hopper_config_for
     from jaxllm.pallas_kernels.quantized_matmul.hopper import unsupported as hopper_unsupported
 
@@ -104,6 +107,10 @@ def _variants(tokens: int, k: int, n: int, group: int, args) -> dict:
         variants["xla int4 gemm"] = ("xla_int4", None)
     if args.hopper and nk_gemv_unsupported(tokens, k, n, group) is None:
         variants["gemv over N-major"] = ("gemv_nk", None)  # the Hopper layout's few tokens
+        for label, kwargs in NK_GEMV_SWEEP if args.nk_sweep else ():
+            config = dataclasses.replace(nk_gemv_config(tokens), **kwargs)
+            if nk_gemv_unsupported(tokens, k, n, group, config) is None:
+                variants[f"nk {label}"] = ("gemv_nk", config)
     if args.hopper and hopper_unsupported(tokens, k, n, group) is None:
         variants["hopper kernel"] = ("hopper", None)
         for label, kwargs in HOPPER_SWEEP if args.hopper_sweep else ():
@@ -345,6 +352,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hopper", action="store_true",
                         help="also the Hopper kernel (Mosaic GPU, the weight as int4 [N, K] "
                         "converted before the timing; pallas_kernels/quantized_matmul/hopper.py)")
+    parser.add_argument("--nk-sweep", action="store_true",
+                        help="with --hopper: also the N-major GEMV's configs (NK_GEMV_SWEEP)")
     parser.add_argument("--hopper-sweep", action="store_true",
                         help="with --hopper: also its pipeline depths and step sizes "
                         "(HOPPER_SWEEP; a config past the shared memory fails alone)")
