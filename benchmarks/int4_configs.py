@@ -89,7 +89,7 @@ HOPPER_SWEEP = [
 # --nk-sweep (with --hopper): the N-major GEMV's configs beside its pick (nk_gemv_config). Its
 # one-row engine step was ~32% slower than the packed one's on an H100 (RESULTS.md,
 # 2026-12-07) while its config was never timed against others: these vary what GEMV_TABLE
-# varies for the packed GEMV (warps, columns a program, splits) and its two options.
+# varies for the packed GEMV (warps, columns a program, splits) and its options.
 NK_GEMV_SWEEP = [
     ("2 warps", dict(num_warps=2)),
     ("8 warps", dict(num_warps=8)),
@@ -99,6 +99,9 @@ NK_GEMV_SWEEP = [
     ("1024 programs", dict(target_programs=1024)),
     ("x in kernel", dict(x_in_kernel=True)),
     ("2 warps, x in kernel", dict(num_warps=2, x_in_kernel=True)),
+    ("x sums before", dict(x_sums_before=True)),
+    ("x sums before, block_n 512", dict(x_sums_before=True, block_n=512)),
+    ("x sums before, x in kernel", dict(x_sums_before=True, x_in_kernel=True)),
 ]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.

@@ -32,6 +32,12 @@ CASES = [  # k, n, group, tokens, dtype, config (None: nk_gemv_config's)
     (256, 100, 64, 3, jnp.bfloat16, Int4GemvNKConfig(block_n=64, x_in_kernel=True,
                                                      splits_sum="last")),
     (512, 64, 32, 2, jnp.float32, Int4GemvNKConfig(block_n=32, x_in_kernel=True)),
+    # each step's sum of x taken by XLA before the call, over splits and with x in the kernel
+    (1024, 128, 128, 1, jnp.bfloat16, Int4GemvNKConfig(block_n=32, num_splits=4,
+                                                       x_sums_before=True)),
+    (256, 100, 64, 3, jnp.float32, Int4GemvNKConfig(block_n=64, x_sums_before=True,
+                                                    splits_sum="last")),
+    (512, 256, 32, 2, jnp.bfloat16, Int4GemvNKConfig(x_in_kernel=True, x_sums_before=True)),
 ]
 
 

@@ -21,7 +21,8 @@ x comes scaled per nibble position and laid out nibble-major (:func:`nibble_majo
 K/8]: a step's x of one nibble is one contiguous load a thread): one elementwise op for XLA
 (in the compiled Llama-3-8B step fused into its producer for one projection of four, a small
 kernel of its own for the others); the step's sum of x, for the zero points, is taken from
-those same loads in the kernel (exact powers of two back). FMAs grow with the tokens: this
+those same loads in the kernel (exact powers of two back), or by XLA before the call
+(``x_sums_before``). FMAs grow with the tokens: this
 serves 1-:data:`NK_GEMV_MAX_TOKENS` tokens (more: the Hopper kernel).
 :func:`int4_gemv_nk` has the signature of :func:`~.hopper.int4_matmul_hopper_nk`.
 """
@@ -62,6 +63,11 @@ class Int4GemvNKConfig:
     # before the call (the pre-scaling is a kernel of its own for three of the 8B step's four
     # projections)
     x_in_kernel: bool = False
+    # each step's sum of x (the zero points' share) taken by XLA before the call, f32[M, K/8/
+    # step], one scalar load a step in the kernel, instead of a reduction across the program's
+    # threads every step: compiled for sm_90 (gate_up, one token; kernel_sass --kernel
+    # gemv_nk) its main loop loses its 4 shuffles, 742 -> 713 instructions a step; untimed
+    x_sums_before: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "max_splits", "num_warps"):
@@ -123,14 +129,15 @@ def nibble_major_x(x: jax.Array, interpret: bool) -> jax.Array:
     return (x.astype(jnp.float32).reshape(m, k // PER_WORD, PER_WORD) * unit).transpose(0, 2, 1)
 
 
-def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_words: int,
-            group_words: int, out_n: int | None, mode: str, interpret: bool,
+def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int,
+            step_words: int, group_words: int, out_n: int | None, mode: str, interpret: bool,
             x_in_kernel: bool):
     # xs_ref f32[M, 8, K/8] (nibble_major_x: x scaled per nibble position; a step's sum of x
     # is taken from it in the kernel, no XLA reduction before the call), or with x_in_kernel
     # x itself [M, K/8, 8] in its dtype (each nibble's x a strided load, scaled here);
     # w_ref i32[block_n, K/8/splits] (q - 8 nibbles); s_ref [G, block_n]; z_ref [G, block_n]
-    # (z - 8 in the scales' dtype); out_refs: gemv_splits.split_outputs' for ``mode``
+    # (z - 8 in the scales' dtype); sums_ref f32[M, K/8/step] each step's sum of x
+    # (x_sums_before) or None; out_refs: gemv_splits.split_outputs' for ``mode``
     rows = xs_ref.shape[0]
     block_n = w_ref.shape[0]
     cols, load = column_loads(n, block_n, evict_first=False)
@@ -159,8 +166,11 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, *out_refs, n: int, steps: int, step_wor
                     x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact)
                 xb = xj[None, :]  # [bn, sw] products
                 parts[m] = w * xb if parts[m] is None else fma(xb, w, parts[m], interpret)
-                xs[m] = x1 if xs[m] is None else xs[m] + x1
+                if sums_ref is None:
+                    xs[m] = x1 if xs[m] is None else xs[m] + x1
         acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
+        if sums_ref is not None:
+            xs = [sums_ref[m, word // step_words] for m in range(rows)]
         corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
                      for c, x in zip(corr, xs, strict=True))
         return acc, corr
@@ -201,6 +211,10 @@ def int4_gemv_nk(
     else:
         xs = nibble_major_x(x2, interpret)  # [M, 8, K/8]
     z = zeros if centred_zeros else centred_zeros_of(zeros, scales.dtype)
+    operands = [xs, w32, scales, z]
+    if config.x_sums_before:  # [M, K/8/step]
+        operands.append(x2.astype(jnp.float32).reshape(m, words // step, step * PER_WORD)
+                        .sum(axis=-1))
     mode = "one" if splits == 1 else config.splits_sum
     exact = mode in ("one", "last")
     outs = split_outputs(mode, splits=splits, rows=m, n=n, block_n=config.block_n,
@@ -216,27 +230,30 @@ def int4_gemv_nk(
         pl.BlockSpec((config.block_n, split_words), lambda c, s: (c, s)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
-        *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
     ]
+    if config.x_sums_before:
+        in_specs.append(pl.BlockSpec(operands[-1].shape, lambda c, s: (0, 0)))
+    in_specs += [outs.specs[i] for _, i in outs.zeros]  # zeroed buffers, aliased to outputs
     result = pl.pallas_call(
-        _dropping_zeroed(kernel, len(outs.zeros)),
+        _dropping_zeroed(kernel, len(operands), len(outs.zeros)),
         grid=(pl.cdiv(n, config.block_n), splits),
         in_specs=in_specs,
         out_specs=outs.specs,
         out_shape=outs.shapes,
-        input_output_aliases={4 + j: i for j, (_, i) in enumerate(outs.zeros)},
+        input_output_aliases={len(operands) + j: i for j, (_, i) in enumerate(outs.zeros)},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="int4_gemv_nk",
-    )(xs, w32, scales, z, *[a for a, _ in outs.zeros])
+    )(*operands, *[a for a, _ in outs.zeros])
     return outs.result(result, m, n, x.dtype).reshape(*lead, n)
 
 
-def _dropping_zeroed(kernel, n_zeros: int):
+def _dropping_zeroed(kernel, n_operands: int, n_zeros: int):
     """The kernel over pallas_call's refs, the zeroed inputs aliased to outputs dropped (the
-    kernel writes their outputs)."""
+    kernel writes their outputs); without the step sums (the fifth operand) None for them."""
 
     def flat(*refs):
-        kernel(*refs[:4], *refs[4 + n_zeros:])
+        sums = refs[4] if n_operands == 5 else None
+        kernel(*refs[:4], sums, *refs[n_operands + n_zeros:])
 
     return flat
