@@ -64,7 +64,8 @@
 #   "p1e": p1f with gate_up's and down's weights read evict-first; "ll": the one-row step's
 #   launch with its buffers kept in place; "kt": batch-1 decode-attention configs and GEMV
 #   candidate tables by device time; "l2": a GEMV with its weight already in L2; "gb": a grid
-#   barrier inside one kernel against a kernel boundary (each step's comment below says more)
+#   barrier inside one kernel against a kernel boundary; "nk": the N-major GEMV's configs
+#   against the packed GEMV at one token (each step's comment below says more)
 HERE=$(dirname "${BASH_SOURCE[0]}")
 # shellcheck source=benchmarks/h200_serving.sh
 source "$HERE/h200_serving.sh"   # served
@@ -414,6 +415,10 @@ only17() {
       tests/test_grid_barrier.py && $PY -m jaxllm.benchmarks.grid_barrier --layers 4 \
       --output-json $DIR/gb_grid_barrier.json && $PY -m jaxllm.benchmarks.grid_barrier \
       --layers 4 --phase-mb 1,1,1,1 --output-json $DIR/gb_small_phases.json"
+    # nk: the N-major GEMV (JAXLLM_INT4_HOPPER's 1-4 tokens) under NK_GEMV_SWEEP's configs
+    # beside the packed GEMV, one token, by device time (~1.5 minutes)
+    picked nk && step nk_gemv_sweep 40 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
+      --tokens 1 --hopper --nk-sweep --copies 8 --device-time --output-json "$DIR/nk_gemv_sweep.json"
     picked i1d && step i1d_int4_one_dot 60 200 $PY -m jaxllm.benchmarks.int4_matmul --models 8b \
       --shapes gate_up,down --tokens 128,512 --with-xla --one-dot --copies 8 \
       --output-json "$DIR/i1d_int4_one_dot.json"
