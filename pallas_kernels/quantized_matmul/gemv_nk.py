@@ -133,7 +133,7 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int
             step_words: int, group_words: int, out_n: int | None, mode: str, interpret: bool,
             x_in_kernel: bool):
     # xs_ref f32[M, 8, K/8] (nibble_major_x: x scaled per nibble position; a step's sum of x
-    # is taken from it in the kernel, no XLA reduction before the call), or with x_in_kernel
+    # is taken from it in the kernel unless x_sums_before), or with x_in_kernel
     # x itself [M, K/8, 8] in its dtype (each nibble's x a strided load, scaled here);
     # w_ref i32[block_n, K/8/splits] (q - 8 nibbles); s_ref [G, block_n]; z_ref [G, block_n]
     # (z - 8 in the scales' dtype); sums_ref f32[M, K/8/step] each step's sum of x
