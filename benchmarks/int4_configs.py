@@ -102,6 +102,14 @@ NK_GEMV_SWEEP = [
     ("x sums before", dict(x_sums_before=True)),
     ("x sums before, block_n 512", dict(x_sums_before=True, block_n=512)),
     ("x sums before, x in kernel", dict(x_sums_before=True, x_in_kernel=True)),
+    # fewer columns than threads: Triton loads the group scales again in the tile's layout
+    # instead of converting them through shared memory, so with the sums before the call the
+    # main loop has no barrier (sm_90 SASS, RESULTS.md 2026-12-07), at ~3.3 instructions a
+    # weight against 2.8; the first one also reads each weight row whole (no split of K)
+    ("rows whole, block_n 32, 2 warps, x sums before",
+     dict(block_n=32, num_splits=1, num_warps=2, x_sums_before=True)),
+    ("block_n 64, x sums before", dict(block_n=64, x_sums_before=True)),
+    ("block_n 128, 8 warps, x sums before", dict(block_n=128, num_warps=8, x_sums_before=True)),
 ]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.
