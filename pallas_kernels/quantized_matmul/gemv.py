@@ -300,8 +300,14 @@ def xla_summed_splits(config: Int4GemvConfig, k: int, n: int, group_size: int) -
     or the dot, over several splits) at exactly N columns (whole column blocks); 0 where the
     kernel writes the result itself (one split, "last") or adds it ("atomic")."""
     splits = config.splits(k, n, group_size)
-    mode = "one" if splits == 1 else "xla" if config.dot else config.splits_sum
+    mode = _splits_mode(config, splits)
     return splits if mode == "xla" and n % config.block_n == 0 else 0
+
+
+def _splits_mode(config: Int4GemvConfig, splits: int) -> str:
+    """How the call's splits become its result: "one" split stores it, else the dot's
+    partials are summed by XLA, else as ``config.splits_sum`` says (gemv_splits.py)."""
+    return "one" if splits == 1 else "xla" if config.dot else config.splits_sum
 
 
 def _denormal(config: Int4GemvConfig, pairs: bool, prescaled: bool):
@@ -327,7 +333,7 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
     groups = scales.shape[0]
     # One split stores x's dtype into y [M, N] (masked past N; the dot: its padded tile);
     # several add their partials as splits_sum says (gemv_splits.py).
-    mode = "one" if splits == 1 else "xla" if config.dot else config.splits_sum
+    mode = _splits_mode(config, splits)
     exact = mode in ("one", "last") and not config.dot
     outs = split_outputs(mode, splits=splits, rows=rows, n=n, block_n=config.block_n,
                          dtype=dtype, exact=exact)
