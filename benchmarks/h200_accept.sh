@@ -57,7 +57,8 @@
 #   the GEMV (splits_sum=last); "i6": the GEMVs
 #   at 1 / 2 / 4 tokens (the table's, loads first, the candidate table, the N-major one);
 #   "x1" / "x1h": Llama-3-70B AWQ's batch-1 decode step (bench latency; x1h on the N-major
-#   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "lb": the
+#   weights); "x3": the same model served (~5.5 minutes); "lm": see launch_matrix; "b1": bf16 and AWQ
+#   at one row (issue 16's AWQ goal alone, ~100 s); "lb": the
 #   decode steps at 1 and 2 rows (bf16, AWQ, AWQ N-major); "lf": JAXLLM_INT4_FUSION's and
 #   JAXLLM_ROPE_KV_KERNEL's compiled tests (g10), then the one-row steps of bf16 and AWQ
 #   with and without them (~3 minutes); "p1f": the AWQ step with both traced by position;
@@ -286,6 +287,11 @@ only17() {
       --output-json $DIR/l16_awq.json; $PY $lat -q fp8 --device-time \
       --output-json $DIR/l16_fp8.json; $PY $lat --kv-cache-dtype fp8 --device-time \
       --output-json $DIR/l16_fp8_kv.json"
+    # b1: issue 16's AWQ goal alone: the one-row decode step of bf16 and of AWQ at the
+    # defaults, waited, back to back and by the device's busy time (~100 s)
+    picked b1 && step b1_latency_one_row 40 200 bash -c "$PY ${lat/1,64,256/1} --device-time \
+      --output-json $DIR/b1_bf16.json; $PY ${lat/1,64,256/1} -q awq --device-time \
+      --output-json $DIR/b1_awq.json"
     # lb: the one- and two-row decode steps (bench latency at batch 1 / 2): XLA compiles the
     # one-row program with 65 more launches (bf16; its RMSNorms unfused), so whether the
     # smallest decode bucket should be 2; bf16, AWQ, AWQ on the N-major weights (~2 minutes)
