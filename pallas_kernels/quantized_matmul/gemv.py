@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import denormal_kernel, prescaled_inputs
 from .gemv_magic import magic_kernel
-from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs
+from .gemv_splits import SPLITS_SUMS, SplitOutputs, auto_splits, split_outputs
 from .reference import PER_WORD, is_pow2
 
 DOT_ROWS = 16  # the smallest M and K Triton's dot takes
@@ -351,7 +351,7 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
     args = [*x_in, qweight, scales, zeros, *[a for a, _ in outs.zeros]]
     aliases = {len(x_in) + 3 + j: i for j, (_, i) in enumerate(outs.zeros)}
     result = pl.pallas_call(
-        _split_refs(kernel, len(x_in), len(outs.zeros)),
+        _over_flat_refs(kernel, outs, len(x_in)),
         grid=(col_blocks, splits),
         in_specs=in_specs,
         out_specs=outs.specs,
@@ -367,12 +367,11 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
     return outs.result(result, m, n, dtype)
 
 
-def _split_refs(kernel, n_x: int, n_zeros: int):
-    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs (the
-    zeroed inputs aliased to outputs are dropped: the kernel writes their outputs)."""
+def _over_flat_refs(kernel, outs: SplitOutputs, n_x: int):
+    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs."""
 
     def flat(*refs):
-        x_refs, (w_ref, s_ref, z_ref) = refs[:n_x], refs[n_x:n_x + 3]
-        kernel(x_refs, w_ref, s_ref, z_ref, refs[n_x + 3 + n_zeros:])
+        inputs, out_refs = outs.kernel_refs(refs, n_x + 3)
+        kernel(inputs[:n_x], *inputs[n_x:], out_refs)
 
     return flat

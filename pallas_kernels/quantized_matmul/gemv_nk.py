@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import X_EXP, column_loads, fma, nibble_as_float, scale_x, x_unit
-from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
+from .gemv_splits import SPLITS_SUMS, SplitOutputs, auto_splits, split_outputs, write_rows
 from .hopper import centred_zeros_of, n_major_operands
 from .reference import PER_WORD, is_pow2
 from .xla_int4 import CENTRE
@@ -235,7 +235,7 @@ def int4_gemv_nk(
         in_specs.append(pl.BlockSpec(operands[-1].shape, lambda c, s: (0, 0)))
     in_specs += [outs.specs[i] for _, i in outs.zeros]  # zeroed buffers, aliased to outputs
     result = pl.pallas_call(
-        _dropping_zeroed(kernel, len(operands), len(outs.zeros)),
+        _over_flat_refs(kernel, outs, len(operands)),
         grid=(pl.cdiv(n, config.block_n), splits),
         in_specs=in_specs,
         out_specs=outs.specs,
@@ -248,12 +248,12 @@ def int4_gemv_nk(
     return outs.result(result, m, n, x.dtype).reshape(*lead, n)
 
 
-def _dropping_zeroed(kernel, n_operands: int, n_zeros: int):
-    """The kernel over pallas_call's refs, the zeroed inputs aliased to outputs dropped (the
-    kernel writes their outputs); without the step sums (the fifth operand) None for them."""
+def _over_flat_refs(kernel, outs: SplitOutputs, n_operands: int):
+    """The kernel over pallas_call's flat refs; without the step sums (the fifth operand)
+    None for them."""
 
     def flat(*refs):
-        sums = refs[4] if n_operands == 5 else None
-        kernel(*refs[:4], sums, *refs[n_operands + n_zeros:])
+        inputs, out_refs = outs.kernel_refs(refs, n_operands)
+        kernel(*inputs[:4], inputs[4] if n_operands == 5 else None, *out_refs)
 
     return flat

@@ -93,6 +93,11 @@ class SplitOutputs:
     specs: tuple  # pl.BlockSpec each, over grid (c, s)
     zeros: tuple  # (input array, output index) each: passed after the weights, aliased
 
+    def kernel_refs(self, refs, n_inputs: int) -> tuple[tuple, tuple]:
+        """pallas_call's flat refs as (inputs, outputs) for the kernel: the zeroed buffers
+        passed after the ``n_inputs`` inputs are dropped (the kernel writes their outputs)."""
+        return refs[:n_inputs], refs[n_inputs + len(self.zeros):]
+
     def result(self, outs, m: int, n: int, dtype) -> jax.Array:  # [M, N] in dtype
         y = outs[0]
         if self.mode == "xla":
