@@ -110,6 +110,14 @@ NK_GEMV_SWEEP = [
      dict(block_n=32, num_splits=1, num_warps=2, x_sums_before=True)),
     ("block_n 64, x sums before", dict(block_n=64, x_sums_before=True)),
     ("block_n 128, 8 warps, x sums before", dict(block_n=128, num_warps=8, x_sums_before=True)),
+    # several steps an iteration, their loads first: a weight row's next groups read beside
+    # this one (128-256-byte runs of a row instead of 64); at 256 columns and 4 warps, 4 steps
+    # spill (sm_90: 255 registers and a stack), so 4 steps take fewer columns a program
+    ("unroll 2", dict(unroll_steps=2)),
+    ("unroll 2, x sums before", dict(unroll_steps=2, x_sums_before=True)),
+    ("block_n 64, unroll 4, x sums before", dict(block_n=64, unroll_steps=4, x_sums_before=True)),
+    ("block_n 128, 8 warps, unroll 4, x sums before",
+     dict(block_n=128, num_warps=8, unroll_steps=4, x_sums_before=True)),
 ]
 # --gemv-before: the config each Llama-3-8B projection ran at one token before the denormal
 # loop (GEMV_TABLE of 2026-12-02, timed then: 13.3, 15.1, 47.4, 24.1 us), with its 2^23 loop.

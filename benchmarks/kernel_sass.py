@@ -296,14 +296,14 @@ def run_gemv(args) -> dict:
     steps = args.k // PER_WORD // step // splits
     if found:
         main_loop = max(found, key=lambda loop: loop["instructions"])
-        iterations = 1
+        iterations = getattr(config, "unroll_steps", 1)  # steps an iteration
     else:  # one step a program: the loop is gone; count the whole kernel (its set-up too)
         body = [op for op in _opcodes(sass) if op not in ("NOP", "EXIT", "BRA")]
         main_loop = {"start": "kernel (no loop)", "instructions": len(body),
                      "opcodes": dict(collections.Counter(body).most_common())}
         iterations = steps
-    # One iteration of the kernel's step loop reads step_words x 8 weights of block_n columns
-    # with 32 x num_warps threads; a SASS instruction is one per thread.
+    # One step reads step_words x 8 weights of block_n columns with 32 x num_warps threads;
+    # a SASS instruction is one per thread.
     weights = iterations * step * PER_WORD * config.block_n
     per_thread = weights / (32 * warps)
     result = {"commit": source_commit(), "kernel": args.kernel, "k": args.k, "n": args.n,

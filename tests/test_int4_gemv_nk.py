@@ -38,6 +38,13 @@ CASES = [  # k, n, group, tokens, dtype, config (None: nk_gemv_config's)
     (256, 100, 64, 3, jnp.float32, Int4GemvNKConfig(block_n=64, x_sums_before=True,
                                                     splits_sum="last")),
     (512, 256, 32, 2, jnp.bfloat16, Int4GemvNKConfig(x_in_kernel=True, x_sums_before=True)),
+    # several steps an iteration (their loads first): one group each, two steps of one
+    # group (256 wide), with the sums before the call and the last split summing
+    (1024, 128, 128, 1, jnp.bfloat16, Int4GemvNKConfig(block_n=32, num_splits=2,
+                                                       unroll_steps=4)),
+    (1024, 96, 256, 2, jnp.float32, Int4GemvNKConfig(block_n=32, unroll_steps=2)),
+    (512, 100, 32, 3, jnp.float32, Int4GemvNKConfig(block_n=64, unroll_steps=2,
+                                                    x_sums_before=True, splits_sum="last")),
 ]
 
 
@@ -74,6 +81,8 @@ def test_unsupported_shapes_are_named():
     assert "multiple of 8" in nk_gemv_unsupported(1, 4096, 6144, 100)
     assert "16-byte" in nk_gemv_unsupported(1, 4096, 6144, 8)
     assert "splits" in nk_gemv_unsupported(1, 4096, 6144, 128, Int4GemvNKConfig(num_splits=64))
+    assert "4 steps an iteration" in nk_gemv_unsupported(
+        1, 512, 256, 128, Int4GemvNKConfig(num_splits=4, unroll_steps=4))
     with pytest.raises(ValueError, match="must be a power of two"):
         Int4GemvNKConfig(block_n=100)
     with pytest.raises(ValueError, match="splits_sum"):

@@ -68,9 +68,13 @@ class Int4GemvNKConfig:
     # threads every step: compiled for sm_90 (gate_up, one token; kernel_sass --kernel
     # gemv_nk) its main loop loses its 4 shuffles, 742 -> 713 instructions a step; untimed
     x_sums_before: bool = False
+    # steps a loop iteration, their loads all issued before its first FMA: a weight row's next
+    # 64 bytes (a group of 128) go out beside these (a 256-byte run at 4) instead of one
+    # iteration later
+    unroll_steps: int = 1
 
     def __post_init__(self):
-        for name in ("block_n", "max_splits", "num_warps"):
+        for name in ("block_n", "max_splits", "num_warps", "unroll_steps"):
             if not is_pow2(getattr(self, name)):
                 raise ValueError(f"{name}={getattr(self, name)} must be a power of two")
         if self.num_splits is not None and not is_pow2(self.num_splits):
@@ -81,8 +85,8 @@ class Int4GemvNKConfig:
     def splits(self, k: int, n: int, step_words: int) -> int:
         if self.num_splits is not None:
             return self.num_splits
-        return auto_splits(k // PER_WORD // step_words, pl.cdiv(n, self.block_n),
-                           self.max_splits, self.target_programs)
+        return auto_splits(k // PER_WORD // (step_words * self.unroll_steps),
+                           pl.cdiv(n, self.block_n), self.max_splits, self.target_programs)
 
 
 def nk_gemv_config(m: int) -> Int4GemvNKConfig:
@@ -109,8 +113,9 @@ def nk_gemv_unsupported(m: int, k: int, n: int, group_size: int,
     if step < 4:
         return f"group_size={group_size}: steps of {step} word columns are below a 16-byte load"
     splits = config.splits(k, n, step)
-    if (k // PER_WORD) % (step * splits):
-        return f"K/8={k // PER_WORD} is not a multiple of {step} word columns x {splits} splits"
+    if (k // PER_WORD) % (step * config.unroll_steps * splits):
+        return (f"K/8={k // PER_WORD} is not a multiple of {step} word columns x "
+                f"{config.unroll_steps} steps an iteration x {splits} splits")
     return None
 
 
@@ -131,7 +136,7 @@ def nibble_major_x(x: jax.Array, interpret: bool) -> jax.Array:
 
 def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int,
             step_words: int, group_words: int, out_n: int | None, mode: str, interpret: bool,
-            x_in_kernel: bool):
+            x_in_kernel: bool, unroll: int):
     # xs_ref f32[M, 8, K/8] (nibble_major_x: x scaled per nibble position; a step's sum of x
     # is taken from it in the kernel unless x_sums_before), or with x_in_kernel
     # x itself [M, K/8, 8] in its dtype (each nibble's x a strided load, scaled here);
@@ -143,41 +148,49 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int
     cols, load = column_loads(n, block_n, evict_first=False)
     first_word = pl.program_id(1) * steps * step_words
 
-    def step(i, carry):
+    def iteration(i, carry):
         acc, corr = carry
-        r0 = pl.multiple_of(i * step_words, step_words)
-        word = first_word + r0
-        group = word // group_words
-        scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)  # [bn]
-        zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32) + CENTRE
-        words = load(w_ref.at[:, pl.ds(r0, step_words)], (cols < n)[:, None]) ^ FLIP
-        high = jnp.right_shift(words, 16)  # nibbles 6, 7 at bits 8..15 (sign bits masked)
-        parts, xs = [None] * rows, [None] * rows
+        steps_ = []  # (first word, scale [bn], zero [bn], words [bn, sw]) each
+        for u in range(unroll):
+            r0 = pl.multiple_of((i * unroll + u) * step_words, step_words)
+            group = (first_word + r0) // group_words
+            scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)
+            zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32) + CENTRE
+            words = load(w_ref.at[:, pl.ds(r0, step_words)], (cols < n)[:, None]) ^ FLIP
+            steps_.append((first_word + r0, scale, zero, words))
+        # nibble by nibble across the iteration's steps: its first FMA needs every step's
+        # words, so all their loads go out before it
+        highs = [jnp.right_shift(w, 16) for _, _, _, w in steps_]  # nibbles 6, 7 at bits 8..15
+        parts = [[None] * rows for _ in steps_]
+        xs = [[None] * rows for _ in steps_]
         for j in range(PER_WORD):
-            src, pos = (words, 4 * j) if j < 6 else (high, 4 * j - 16)
-            w = nibble_as_float(src, pos, interpret)  # [bn, sw]
-            for m in range(rows):
-                if x_in_kernel:  # x[m, 8w + j] for the step's w: 2-byte loads 16 bytes apart
-                    x1 = xs_ref[m, pl.ds(word, step_words), j]
-                    xj = scale_x(x1, _unit(j, interpret), interpret)  # [sw], x 2^unit_j
-                    x1 = x1.astype(jnp.float32)
-                else:
-                    xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
-                    x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact)
-                xb = xj[None, :]  # [bn, sw] products
-                parts[m] = w * xb if parts[m] is None else fma(xb, w, parts[m], interpret)
-                if sums_ref is None:
-                    xs[m] = x1 if xs[m] is None else xs[m] + x1
-        acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts, strict=True))
-        if sums_ref is not None:
-            xs = [sums_ref[m, word // step_words] for m in range(rows)]
-        corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
-                     for c, x in zip(corr, xs, strict=True))
+            for u, (word, _, _, words) in enumerate(steps_):
+                src, pos = (words, 4 * j) if j < 6 else (highs[u], 4 * j - 16)
+                w = nibble_as_float(src, pos, interpret)  # [bn, sw]
+                for m in range(rows):
+                    if x_in_kernel:  # x[m, 8w + j] for the step's w: 2-byte loads 16 bytes apart
+                        x1 = xs_ref[m, pl.ds(word, step_words), j]
+                        xj = scale_x(x1, _unit(j, interpret), interpret)  # [sw], x 2^unit_j
+                        x1 = x1.astype(jnp.float32)
+                    else:
+                        xj = xs_ref[m, j, pl.ds(word, step_words)]  # [sw], x 2^unit_j
+                        x1 = xj * 2.0**-_unit(j, interpret)  # x itself (exact)
+                    xb = xj[None, :]  # [bn, sw] products
+                    p = parts[u][m]
+                    parts[u][m] = w * xb if p is None else fma(xb, w, p, interpret)
+                    if sums_ref is None:
+                        xs[u][m] = x1 if xs[u][m] is None else xs[u][m] + x1
+        for u, (word, scale, zero, _) in enumerate(steps_):
+            acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts[u], strict=True))
+            sums = ([sums_ref[m, word // step_words] for m in range(rows)]
+                    if sums_ref is not None else xs[u])
+            corr = tuple(c + (scale * zero) * (x.sum() * 2.0**-X_EXP)
+                         for c, x in zip(corr, sums, strict=True))
         return acc, corr
 
     init = (tuple(jnp.zeros((block_n, step_words), jnp.float32) for _ in range(rows)),
             tuple(jnp.zeros((block_n,), jnp.float32) for _ in range(rows)))
-    acc, corr = jax.lax.fori_loop(0, steps, step, init)
+    acc, corr = jax.lax.fori_loop(0, steps // unroll, iteration, init)
     ys = [(a.sum(axis=1) - c) * 2.0**X_EXP for a, c in zip(acc, corr, strict=True)]
     write_rows(out_refs, ys, cols, mode=mode, out_n=out_n, interpret=interpret)
 
@@ -222,7 +235,7 @@ def int4_gemv_nk(
     kernel = functools.partial(
         _kernel, n=n, steps=split_words // step, step_words=step,
         group_words=group_size // PER_WORD, mode=mode, interpret=interpret,
-        x_in_kernel=config.x_in_kernel,
+        x_in_kernel=config.x_in_kernel, unroll=config.unroll_steps,
         out_n=n if exact and n % config.block_n else None)
     groups = scales.shape[0]
     in_specs = [
