@@ -152,21 +152,21 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int
 
     def iteration(i, carry):
         acc, corr = carry
-        steps_ = []  # (first word, scale [bn], zero [bn], words [bn, sw]) each
+        loaded = []  # (first word, scale [bn], zero [bn], words [bn, sw]) each
         for u in range(unroll):
             r0 = pl.multiple_of((i * unroll + u) * step_words, step_words)
             group = (first_word + r0) // group_words
             scale = load(s_ref.at[group, :], cols < n).astype(jnp.float32)
             zero = load(z_ref.at[group, :], cols < n).astype(jnp.float32) + CENTRE
             words = load(w_ref.at[:, pl.ds(r0, step_words)], (cols < n)[:, None]) ^ FLIP
-            steps_.append((first_word + r0, scale, zero, words))
+            loaded.append((first_word + r0, scale, zero, words))
         # nibble by nibble across the iteration's steps: its first FMA needs every step's
         # words, so all their loads go out before it
-        highs = [jnp.right_shift(w, 16) for _, _, _, w in steps_]  # nibbles 6, 7 at bits 8..15
-        parts = [[None] * rows for _ in steps_]
-        xs = [[None] * rows for _ in steps_]
+        highs = [jnp.right_shift(w, 16) for _, _, _, w in loaded]  # nibbles 6, 7 at bits 8..15
+        parts = [[None] * rows for _ in loaded]
+        xs = [[None] * rows for _ in loaded]
         for j in range(PER_WORD):
-            for u, (word, _, _, words) in enumerate(steps_):
+            for u, (word, _, _, words) in enumerate(loaded):
                 src, pos = (words, 4 * j) if j < 6 else (highs[u], 4 * j - 16)
                 w = nibble_as_float(src, pos, interpret)  # [bn, sw]
                 for m in range(rows):
@@ -182,7 +182,7 @@ def _kernel(xs_ref, w_ref, s_ref, z_ref, sums_ref, *out_refs, n: int, steps: int
                     parts[u][m] = w * xb if p is None else fma(xb, w, p, interpret)
                     if sums_ref is None:
                         xs[u][m] = x1 if xs[u][m] is None else xs[u][m] + x1
-        for u, (word, scale, zero, _) in enumerate(steps_):
+        for u, (word, scale, zero, _) in enumerate(loaded):
             acc = tuple(a + scale[:, None] * p for a, p in zip(acc, parts[u], strict=True))
             sums = ([sums_ref[m, word // step_words] for m in range(rows)]
                     if sums_ref is not None else xs[u])
