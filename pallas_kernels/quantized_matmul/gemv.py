@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import denormal_kernel, prescaled_inputs
 from .gemv_magic import magic_kernel
-from .gemv_splits import SPLITS_SUMS, SplitOutputs, auto_splits, split_outputs
+from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs
 from .reference import PER_WORD, is_pow2
 
 DOT_ROWS = 16  # the smallest M and K Triton's dot takes
@@ -346,32 +346,18 @@ def _launch(kernel, x_in: list, qweight, scales, zeros, *, rows: int, m: int, dt
         pl.BlockSpec((split_words, config.block_n), lambda c, s: (s, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
         pl.BlockSpec((groups, config.block_n), lambda c, s: (0, c)),
-        *[outs.specs[i] for _, i in outs.zeros],  # zeroed buffers, aliased to outputs
     ]
-    args = [*x_in, qweight, scales, zeros, *[a for a, _ in outs.zeros]]
-    aliases = {len(x_in) + 3 + j: i for j, (_, i) in enumerate(outs.zeros)}
-    result = pl.pallas_call(
-        _over_flat_refs(kernel, outs, len(x_in)),
+    n_x = len(x_in)
+    result = outs.pallas_call(
+        lambda *refs: kernel(refs[:n_x], *refs[n_x:n_x + 3], refs[n_x + 3:]),
+        [*x_in, qweight, scales, zeros], in_specs,
         grid=(col_blocks, splits),
-        in_specs=in_specs,
-        out_specs=outs.specs,
-        out_shape=outs.shapes,
-        input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps,
                                                 num_stages=config.num_stages),
         interpret=interpret,
         name="int4_gemv",
-    )(*args)
+    )
     if partials:
         return result[0][:, :m]
     return outs.result(result, m, n, dtype)
 
-
-def _over_flat_refs(kernel, outs: SplitOutputs, n_x: int):
-    """``kernel(x_refs, w_ref, s_ref, z_ref, out_refs)`` over pallas_call's flat refs."""
-
-    def flat(*refs):
-        inputs, out_refs = outs.kernel_refs(refs, n_x + 3)
-        kernel(inputs[:n_x], *inputs[n_x:], out_refs)
-
-    return flat

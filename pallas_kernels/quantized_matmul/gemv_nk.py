@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from .gemv_denormal import X_EXP, column_loads, fma, nibble_as_float, scale_x, x_unit
-from .gemv_splits import SPLITS_SUMS, SplitOutputs, auto_splits, split_outputs, write_rows
+from .gemv_splits import SPLITS_SUMS, auto_splits, split_outputs, write_rows
 from .hopper import centred_zeros_of, n_major_operands
 from .reference import PER_WORD, is_pow2
 from .xla_int4 import CENTRE
@@ -248,27 +248,14 @@ def int4_gemv_nk(
     ]
     if config.x_sums_before:
         in_specs.append(pl.BlockSpec(operands[-1].shape, lambda c, s: (0, 0)))
-    in_specs += [outs.specs[i] for _, i in outs.zeros]  # zeroed buffers, aliased to outputs
-    result = pl.pallas_call(
-        _over_flat_refs(kernel, outs, len(operands)),
+    sums = config.x_sums_before  # the fifth operand; without it None for the kernel's
+    result = outs.pallas_call(
+        lambda *refs: kernel(*refs[:4], refs[4] if sums else None, *refs[4 + sums:]),
+        operands, in_specs,
         grid=(pl.cdiv(n, config.block_n), splits),
-        in_specs=in_specs,
-        out_specs=outs.specs,
-        out_shape=outs.shapes,
-        input_output_aliases={len(operands) + j: i for j, (_, i) in enumerate(outs.zeros)},
         compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=1),
         interpret=interpret,
         name="int4_gemv_nk",
-    )(*operands, *[a for a, _ in outs.zeros])
+    )
     return outs.result(result, m, n, x.dtype).reshape(*lead, n)
 
-
-def _over_flat_refs(kernel, outs: SplitOutputs, n_operands: int):
-    """The kernel over pallas_call's flat refs; without the step sums (the fifth operand)
-    None for them."""
-
-    def flat(*refs):
-        inputs, out_refs = outs.kernel_refs(refs, n_operands)
-        kernel(*inputs[:4], inputs[4] if n_operands == 5 else None, *out_refs)
-
-    return flat

@@ -93,10 +93,24 @@ class SplitOutputs:
     specs: tuple  # pl.BlockSpec each, over grid (c, s)
     zeros: tuple  # (input array, output index) each: passed after the weights, aliased
 
-    def kernel_refs(self, refs, n_inputs: int) -> tuple[tuple, tuple]:
-        """pallas_call's flat refs as (inputs, outputs) for the kernel: the zeroed buffers
-        passed after the ``n_inputs`` inputs are dropped (the kernel writes their outputs)."""
-        return refs[:n_inputs], refs[n_inputs + len(self.zeros):]
+    def pallas_call(self, kernel, operands: list, in_specs: list, **kwargs):
+        """``pl.pallas_call`` of ``kernel(*operand_refs, *output_refs)`` over ``operands`` and
+        this mode's outputs, ``kwargs`` (grid, compiler params, ..) passed on. The zeroed
+        buffers go in after the operands, aliased to their outputs, and are dropped from the
+        kernel's refs (it writes their outputs)."""
+        n = len(operands)
+
+        def flat(*refs):
+            kernel(*refs[:n], *refs[n + len(self.zeros):])
+
+        return pl.pallas_call(
+            flat,
+            in_specs=[*in_specs, *[self.specs[i] for _, i in self.zeros]],
+            out_specs=self.specs,
+            out_shape=self.shapes,
+            input_output_aliases={n + j: i for j, (_, i) in enumerate(self.zeros)},
+            **kwargs,
+        )(*operands, *[a for a, _ in self.zeros])
 
     def result(self, outs, m: int, n: int, dtype) -> jax.Array:  # [M, N] in dtype
         y = outs[0]
