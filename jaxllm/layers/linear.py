@@ -160,7 +160,8 @@ class Int4WeightNK:
 # at 128 tokens and lost to the GEMV at 1-16 (RESULTS.md, 2026-12-05, i5), and through the
 # engine on the H100 (2026-12-07) it made the offline run 1.15x faster (its 17-512-row decode
 # steps up to 2x) but the one-row step ~32% slower (3.8 ms back to back against ~2.9; the
-# N-major GEMV under any of 9 configs took 93.6 us a layer against the packed one's 65.8):
+# N-major GEMV's best of 18 configs for each projection took 89.0 us a layer against the packed
+# one's 67.5, another H100 the same day):
 # the AWQ goal is that step. Read where the engine loads, so listed among the executable
 # cache's program variables (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
