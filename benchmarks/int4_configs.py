@@ -87,9 +87,10 @@ HOPPER_SWEEP = [
     ("k64, 8 stages", dict(tile_k=64, max_concurrent_steps=8)),
 ]
 # --nk-sweep (with --hopper): the N-major GEMV's configs beside its pick (nk_gemv_config). Its
-# one-row engine step was ~32% slower than the packed one's on an H100 (RESULTS.md,
-# 2026-12-07) while its config was never timed against others: these vary what GEMV_TABLE
-# varies for the packed GEMV (warps, columns a program, splits) and its options.
+# one-row engine step was ~32% slower than the packed one's on an H100: these vary what
+# GEMV_TABLE varies for the packed GEMV (warps, columns a program, splits) and its options.
+# Timed on an H100 (RESULTS.md, 2026-12-07): the best of each projection 89.0 us a layer
+# against the packed GEMV's 67.5.
 NK_GEMV_SWEEP = [
     ("2 warps", dict(num_warps=2)),
     ("8 warps", dict(num_warps=8)),
