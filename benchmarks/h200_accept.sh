@@ -50,7 +50,9 @@
 #   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (> 145 s:
 #   cut after gate_up on 2026-12-05); "t1ah": g9, then the AWQ engine through it
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
-#   beside "t1a l16"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
+#   beside "t1a l16"; "t1ab": g9, then the AWQ engine with both layouts
+#   (JAXLLM_INT4_HOPPER=both) offline and its one-row step beside the default's (~5 minutes),
+#   beside "t1a"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
 #   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
 #   the same with every GEMV loading its step's words first (loads_first); "p1g": with
 #   gate_up's loads first (the "gate_up_256" candidate table); "p1k": with the split-K sums in
@@ -310,7 +312,7 @@ only17() {
     # the H200 on 2026-12-05 at 16beaaf): its GPU tests (g9), then, only when they passed, i5
     # (timed beside bf16 and XLA's path at the AWQ engine's decode and mid-size steps) and
     # t1ah (the AWQ engine through it); "t1ah" alone skips i5's ~150 s
-    if picked i5 || picked t1ah || picked i6; then
+    if picked i5 || picked t1ah || picked i6 || picked t1ab; then
       step g9_int4_hopper_tests 60 200 $PY -m pytest -q -x -p no:cacheprovider -m gpu \
         tests/test_int4_hopper.py tests/test_int4_gemv_nk.py
     fi
@@ -330,6 +332,15 @@ only17() {
         --output-json "$DIR/t1ah_sharegpt_awq_hopper.json"
       picked t1ah && step l16h_latency_awq_hopper 40 200 bash -c "JAXLLM_INT4_HOPPER=on \
         $PY ${LATENCY//$'\n'/ } -q awq --output-json $DIR/l16h_awq_hopper.json"
+      # t1ab: the AWQ engine with both layouts (JAXLLM_INT4_HOPPER=both: the GEMV's 1-16
+      # tokens on the packed words, more on the N-major copy), offline beside t1a; then the
+      # one-row AWQ step by device time under both and by default, one process each
+      picked t1ab && step t1ab_sharegpt_awq_both 150 300 env JAXLLM_INT4_HOPPER=both $PY \
+        $TIMELINE --dataset-name sharegpt-like --quantization awq \
+        --output-json "$DIR/t1ab_sharegpt_awq_both.json"
+      picked t1ab && step b1ab_latency_awq_one_row 40 200 bash -c "JAXLLM_INT4_HOPPER=both \
+        $PY ${lat/1,64,256/1} -q awq --device-time --output-json $DIR/b1ab_awq_both.json; \
+        $PY ${lat/1,64,256/1} -q awq --device-time --output-json $DIR/b1ab_awq.json"
     fi
     picked p1s && step p1s_profile_awq_b1_sequence 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE \
       --quantization awq --sequence "gemv|gemm|attention" --out-dir "$DIR/p1s"

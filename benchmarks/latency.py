@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
-    from jaxllm.layers.linear import int4_hopper_enabled
+    from jaxllm.layers.linear import int4_hopper_mode, one_layout
     from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
     if args.device_time and jax.default_backend() == "cpu":
@@ -286,13 +286,14 @@ def run(args: argparse.Namespace) -> dict:
     model = jaxllm.load_model(args.model, dtype=args.dtype, load_format=args.load_format,
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
                               quantization=args.quantization, pipeline_parallel_size=pp)
-    # the 4-bit weights N-major under JAXLLM_INT4_HOPPER=on, as the engine stores them
-    model = model.with_int4_n_major(int4_hopper_enabled(), donate=True)
+    # the 4-bit weights N-major under JAXLLM_INT4_HOPPER, as the engine stores them
+    model = model.with_int4_n_major(int4_hopper_mode(), donate=True)
     from jaxllm.kv_pool import kv_cache_dtype
 
     kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)
     cfg, itemsize = model.config, np.dtype(kv_dtype).itemsize
-    leaves = jax.tree.leaves(model.params)
+    read = one_layout(model.params)  # a step reads one of a projection's two layouts
+    leaves = jax.tree.leaves(read)
     first = leaves[0].sharding.device_set and min(leaves[0].sharding.device_set, key=str)
     # One device's share: what each device reads per step (replicated leaves whole).
     from jaxllm.engine.device_memory import stored_bytes
@@ -301,7 +302,7 @@ def run(args: argparse.Namespace) -> dict:
     # Matmul params: every projection kernel (either layout, quantized or not), plus the
     # embedding when it doubles as the LM head.
     matmul_params = sum(
-        x.size for path, x in jax.tree_util.tree_leaves_with_path(model.params)
+        x.size for path, x in jax.tree_util.tree_leaves_with_path(read)
         if "kernel" in jax.tree_util.keystr(path) and not jax.tree_util.keystr(path).endswith(
             "scale")) + (cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0)
     on_gpu = jax.default_backend() != "cpu"

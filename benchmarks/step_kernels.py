@@ -209,7 +209,7 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
     from jaxllm.engine.step_programs import ProgramKey, stage_step_input, step_programs
     from jaxllm.kv_pool import kv_cache_dtype as pool_dtype
     from jaxllm.kv_pool import new_kv_pool
-    from jaxllm.layers.linear import int4_hopper_enabled
+    from jaxllm.layers.linear import int4_hopper_mode
     from jaxllm.loading import load_model
     from jaxllm.quantization.compile_options import forward_compiler_options
 
@@ -224,7 +224,7 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
     def params():  # the loader's dummy params, shapes only
         loaded = load_model(model, load_format="dummy", dtype="bfloat16",
                             quantization=quantization, unroll_layers=True,
-                            ).with_int4_n_major(int4_hopper_enabled())  # as the engine
+                            ).with_int4_n_major(int4_hopper_mode())  # as the engine
         described.update(config=loaded.config, dtype=loaded.dtype,
                          quantization=loaded.quantization)  # (no tracer leaves the trace)
         return loaded.params

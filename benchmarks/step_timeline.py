@@ -130,9 +130,11 @@ def roofline(model, args, bandwidth: float, peak_flops: float) -> Roofline:
     from jaxllm.benchmarks.latency import kv_bytes_per_token
 
     from jaxllm.kv_pool import kv_cache_dtype
+    from jaxllm.layers.linear import one_layout
 
     cfg = model.config
-    leaves = jax.tree_util.tree_leaves_with_path(model.params)
+    # a step reads one of a projection's two layouts (JAXLLM_INT4_HOPPER=both)
+    leaves = jax.tree_util.tree_leaves_with_path(one_layout(model.params))
     first = min(leaves[0][1].sharding.device_set, key=str)
     from jaxllm.engine.device_memory import stored_bytes
     weight_bytes = sum(stored_bytes(s.data) for path, x in leaves for s in x.addressable_shards

@@ -402,9 +402,9 @@ def test_latency_stores_4bit_weights_n_major_under_the_hopper_switch(tiny_config
                                                                       monkeypatch):
     """``bench latency -q awq`` under ``JAXLLM_INT4_HOPPER=on`` times the weights as the engine
     stores them (N-major, zero points centred in the scales' dtype: more bytes than the packed
-    u8 zero points), not the packed ones."""
+    u8 zero points), not the packed ones; under "both" a step reads one layout, the packed."""
     weights = {}
-    for setting in ("off", "on"):
+    for setting in ("off", "on", "both"):
         monkeypatch.setenv("JAXLLM_INT4_HOPPER", setting)
         out = tmp_path / f"lat_{setting}.json"
         assert bench_main(["latency", *tiny_bench_args(tiny_config), "-q", "awq",
@@ -412,7 +412,7 @@ def test_latency_stores_4bit_weights_n_major_under_the_hopper_switch(tiny_config
                            "--iters", "2", "--warmup-iters", "1", "--bandwidth-gbps", "100",
                            "--output-json", str(out)]) in (0, None)
         weights[setting] = json.loads(out.read_text())["weight_bytes"]
-    assert weights["on"] > weights["off"]
+    assert weights["on"] > weights["off"] == weights["both"]
 
 
 def test_gc_start_up_counts_what_an_engine_leaves_for_the_collector(tiny_config, tmp_path):

@@ -176,6 +176,42 @@ def test_n_major_projections_past_the_kernels_tokens_take_xla():
     assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max()
 
 
+def test_both_layouts_send_the_gemv_tokens_to_the_packed_words_and_more_to_the_copy():
+    """``JAXLLM_INT4_HOPPER=both``: the packed weight keeps its words (not freed, even when
+    donated) with the N-major copy beside them; 1-16 tokens run the packed GEMV, more the
+    Hopper kernel (interpreted) and past INT4_HOPPER_MAX_TOKENS XLA over the copy, each within
+    bf16 rounding of the packed weight's CPU result (which stays the packed path's); the
+    weights a step reads (``one_layout``) are the packed ones alone."""
+    from jaxllm.layers.linear import (
+        INT4_HOPPER_MAX_TOKENS,
+        Int4Weight,
+        Int4WeightNK,
+        int4_n_major,
+        linear,
+        one_layout,
+    )
+
+    x, words, scales, zeros = _case(INT4_HOPPER_MAX_TOKENS + 1, 256, 128, 128, seed=7)
+    packed = Int4Weight(jnp.array(words), scales, zeros)
+    both = int4_n_major({"k": packed}, donate=True, keep_packed=True)["k"]
+    assert not packed.qweight.is_deleted() and both.qweight is packed.qweight
+    assert isinstance(both, Int4Weight) and isinstance(both.n_major, Int4WeightNK)
+    np.testing.assert_array_equal(both.n_major.dequantize(), packed.dequantize())
+    assert jax.tree.structure(one_layout({"k": both})) == jax.tree.structure({"k": packed})
+
+    for tokens, kernel in ((1, "int4_gemv"), (16, "int4_gemv"), (17, "int4_matmul_hopper_nk"),
+                           (INT4_HOPPER_MAX_TOKENS + 1, None)):
+        rows = x[:tokens]
+        run = jax.jit(lambda rows: linear(rows, both, int4_backend="pallas_interpret"))
+        names = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(run)(rows))))
+        kernels = names & {"int4_gemv", "int4_matmul", "int4_matmul_hopper_nk", "int4_gemv_nk"}
+        assert kernels == ({kernel} if kernel else set()), (tokens, names)
+        ref = np.asarray(linear(rows, packed), np.float32)
+        np.testing.assert_array_equal(np.asarray(linear(rows, both), np.float32), ref)
+        out = np.asarray(run(rows), np.float32)
+        assert np.abs(out - ref).max() <= 1e-2 * np.abs(ref).max(), tokens
+
+
 def test_n_major_conversion_frees_owned_packed_words():
     """``int4_n_major(donate=True)`` (the engine's own load): each packed weight is freed as
     its N-major copy is made, so the load never holds the model's 4-bit weights twice; words
@@ -197,8 +233,9 @@ def test_n_major_conversion_frees_owned_packed_words():
 
 def test_engine_stores_n_major_weights_when_asked(monkeypatch):
     """The engine under ``JAXLLM_INT4_HOPPER=on``: a dummy AWQ model's projections stored
-    N-major, the same greedy tokens as without (on CPU both are XLA's path); a bad value, or
-    the stacked layout, refused before anything runs."""
+    N-major, under "both" packed with the N-major copy beside them, the same greedy tokens as
+    without (on CPU all are XLA's path); a bad value, or the stacked layout, refused before
+    anything runs."""
     from tiny_models import TINY
 
     import jaxllm
@@ -212,16 +249,18 @@ def test_engine_stores_n_major_weights_when_asked(monkeypatch):
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     tokens = {}
-    for setting in ("off", "on"):
+    for setting in ("off", "on", "both"):
         monkeypatch.setenv("JAXLLM_INT4_HOPPER", setting)
         llm = jaxllm.LLM(model, **args)
         kernel = llm.engine.model.params["layers"][0]["mlp"]["down_proj"]["kernel"]
         assert isinstance(kernel, Int4WeightNK) == (setting == "on")
+        assert isinstance(getattr(kernel, "n_major", None), Int4WeightNK) == (setting == "both")
         tokens[setting] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], greedy)]
-    assert tokens["on"] == tokens["off"]
+    assert tokens["on"] == tokens["off"] == tokens["both"]
     with pytest.raises(ValueError, match="needs the unrolled layers"):
-        model.with_layer_layout(False).with_int4_n_major(True)
+        model.with_layer_layout(False).with_int4_n_major("on")
     monkeypatch.setenv("JAXLLM_INT4_HOPPER", "yes")
-    with pytest.raises(ValueError, match="JAXLLM_INT4_HOPPER='yes' must be 'off' or 'on'"):
+    with pytest.raises(ValueError, match=r"JAXLLM_INT4_HOPPER='yes' must be one of \['both', "
+                                         r"'off', 'on'\]"):
         jaxllm.LLM(model, **args)

@@ -43,7 +43,7 @@ from jaxllm.engine.step_launcher import StepLauncher, _LaunchedStep
 from jaxllm.engine.step_programs import stage_step_input
 from jaxllm.kv_pool import kv_cache_dtype
 from jaxllm.layers import fp8_kernels, int4_fusion
-from jaxllm.layers.linear import int4_hopper_enabled
+from jaxllm.layers.linear import int4_hopper_mode
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampler_rows import needs_penalties
@@ -74,7 +74,7 @@ class LLMEngine(StepLauncher):
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
-        int4_n_major = int4_hopper_enabled()  # and a bad JAXLLM_INT4_HOPPER
+        int4_n_major = int4_hopper_mode()  # and a bad JAXLLM_INT4_HOPPER
         int4_fusion.fusion_enabled()  # or JAXLLM_INT4_FUSION
         rope_kv_kernel_enabled()  # or JAXLLM_ROPE_KV_KERNEL
         owned = model is None  # the engine's own load: its arrays may be freed as converted

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxllm.env_settings import env_switch
+from jaxllm.env_settings import env_choice
 from jaxllm.layers.fp8 import (
     Fp8Activation,
     Fp8Weight,
@@ -108,11 +108,16 @@ class Int4Weight:
         W[k, n] = (q[k, n] - zeros[k // g, n]) * scales[k // g, n]
 
     Packing along K (as GPTQ does) keeps whole output columns in each word, so the fused
-    projections' column orders and a tensor-parallel split of either axis select words."""
+    projections' column orders and a tensor-parallel split of either axis select words.
+
+    ``n_major``: the same weight also stored N-major (``JAXLLM_INT4_HOPPER=both``, made at
+    load by :func:`int4_n_major`): projections past the GEMV's tokens read that copy instead
+    (the Hopper kernel, or XLA past it); None (the default) keeps the packed words only."""
 
     qweight: jax.Array
     scales: jax.Array
     zeros: jax.Array
+    n_major: Int4WeightNK | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -162,22 +167,28 @@ class Int4WeightNK:
 # steps up to 2x) but the one-row step ~32% slower (3.8 ms back to back against ~2.9; the
 # N-major GEMV's best of 18 configs for each projection took 89.0 us a layer against the packed
 # one's 67.5, another H100 the same day):
-# the issue's AWQ goal is that step. Read where the engine loads, so listed among the executable
-# cache's program variables (executable_cache.PROGRAM_ENV).
+# the issue's AWQ goal is that step. JAXLLM_INT4_HOPPER=both keeps the packed words beside the
+# N-major copy (the 4-bit weights' bytes twice: +3.6 GB for Llama-3-8B): the GEMV's 1-16
+# tokens read the packed words with every fusion of the default, more tokens the N-major copy
+# (not yet timed through the engine). Read where the engine loads, so listed among the
+# executable cache's program variables (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
+INT4_HOPPER_MODES = ("off", "on", "both")
 
 
-def int4_hopper_enabled(environ=os.environ) -> bool:
-    """Whether ``JAXLLM_INT4_HOPPER`` is "on" ("off" when unset); a clear error for any other
-    value."""
-    return env_switch(environ, INT4_HOPPER_ENV)
+def int4_hopper_mode(environ=os.environ) -> str:
+    """``JAXLLM_INT4_HOPPER``'s value: "off" (unset: the packed words only), "on" (N-major
+    only) or "both"; a clear error for any other value."""
+    return env_choice(environ, INT4_HOPPER_ENV, INT4_HOPPER_MODES)
 
 
-def int4_n_major(params: Any, *, donate: bool = False) -> Any:
+def int4_n_major(params: Any, *, donate: bool = False, keep_packed: bool = False) -> Any:
     """``params`` with every one-layer :class:`Int4Weight` (2-D words: the unrolled layout)
-    as an :class:`Int4WeightNK` (new arrays; the scales shared). ``donate``: the caller owns
-    ``params``, so each packed weight is freed once its N-major copy is made (the conversion
-    then holds one projection twice at most, not the whole model: +35 GB for a 70B model)."""
+    as an :class:`Int4WeightNK` (new arrays; the scales shared), or with ``keep_packed`` as
+    the Int4Weight with that copy in its ``n_major``. ``donate`` (without ``keep_packed``):
+    the caller owns ``params``, so each packed weight is freed once its N-major copy is made
+    (the conversion then holds one projection twice at most, not the whole model: +35 GB for
+    a 70B model)."""
     n_major = jax.jit(hopper_weight)
     made: dict[int, jax.Array] = {}  # id of packed words -> their N-major copy (shared words)
 
@@ -185,14 +196,24 @@ def int4_n_major(params: Any, *, donate: bool = False) -> Any:
         if isinstance(leaf, Int4Weight) and leaf.qweight.ndim == 2:
             if id(leaf.qweight) not in made:
                 made[id(leaf.qweight)] = n_major(leaf.qweight)
-                if donate:  # freed once the conversion has read it
+                if donate and not keep_packed:  # freed once the conversion has read it
                     jax.block_until_ready(made[id(leaf.qweight)])
                     leaf.qweight.delete()
-            return Int4WeightNK(made[id(leaf.qweight)], leaf.scales,
+            copy = Int4WeightNK(made[id(leaf.qweight)], leaf.scales,
                                 centred_zeros_of(leaf.zeros, leaf.scales.dtype))
+            if keep_packed:
+                return leaf.replace(n_major=copy)
+            return copy
         return leaf
 
     return jax.tree.map(convert, params, is_leaf=lambda x: isinstance(x, Int4Weight))
+
+
+def one_layout(params: Any) -> Any:
+    """``params`` without the N-major copies kept beside packed words (``n_major``): the
+    weights one step reads, whichever of the two layouts each projection takes."""
+    return jax.tree.map(lambda leaf: leaf.replace(n_major=None) if isinstance(leaf, Int4Weight)
+                        else leaf, params, is_leaf=lambda x: isinstance(x, Int4Weight))
 
 
 def _int4_nk_matmul(x: jax.Array, kernel: Int4WeightNK, backend: str) -> jax.Array:
@@ -317,8 +338,10 @@ def linear(x: jax.Array | Fp8Activation | Int4Activation, kernel, *,
         return _int4_nk_matmul(x, kernel, backend)
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
-        impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(
-            int4_kernel(x, kernel, backend, mesh))
+        path = int4_kernel(x, kernel, backend, mesh)
+        if kernel.n_major is not None and path != "gemv" and backend != "xla":
+            return _int4_nk_matmul(x, kernel.n_major, backend)
+        impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(path)
         if impl is not None:
             return impl(*parts, group_size=kernel.group_size,
                         interpret=backend == "pallas_interpret")

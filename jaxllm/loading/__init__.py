@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.layers.linear import int4_n_major
+from jaxllm.layers.linear import INT4_HOPPER_MODES, int4_n_major
 from jaxllm.loading.assemble import assemble_params, replicate_kv_heads
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.orbax_checkpoint import (
@@ -87,20 +87,24 @@ class LoadedModel:
                   else stack_layer_params(self.params))
         return dataclasses.replace(self, params=params)
 
-    def with_int4_n_major(self, enabled: bool, *, donate: bool = False) -> LoadedModel:
+    def with_int4_n_major(self, mode: str, *, donate: bool = False) -> LoadedModel:
         """This model with its 4-bit weights stored N-major for the Hopper kernel
-        (``JAXLLM_INT4_HOPPER=on``: :func:`jaxllm.layers.linear.int4_n_major`), on one device
-        with the unrolled layers. Not enabled, or no 4-bit weights: unchanged. ``donate``: the
-        caller owns these params, so each packed weight is freed as it is converted."""
-        if not enabled or self.quantization is None or self.quantization.bits != 4:
+        (``JAXLLM_INT4_HOPPER``: :func:`jaxllm.layers.linear.int4_n_major`): "on" instead of
+        the packed words, "both" beside them; on one device with the unrolled layers. "off",
+        or no 4-bit weights: unchanged. ``donate``: the caller owns these params, so with
+        "on" each packed weight is freed as it is converted."""
+        if mode not in INT4_HOPPER_MODES:
+            raise ValueError(f"int4 N-major mode {mode!r} must be one of {INT4_HOPPER_MODES}")
+        if mode == "off" or self.quantization is None or self.quantization.bits != 4:
             return self
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("JAXLLM_INT4_HOPPER=on runs on one device: unset it for tensor "
-                             "or pipeline parallelism")
+            raise ValueError(f"JAXLLM_INT4_HOPPER={mode} runs on one device: unset it for "
+                             "tensor or pipeline parallelism")
         if not self.unroll_layers:
-            raise ValueError("JAXLLM_INT4_HOPPER=on needs the unrolled layers "
+            raise ValueError(f"JAXLLM_INT4_HOPPER={mode} needs the unrolled layers "
                              "(--unroll-layers, the default on a GPU)")
-        return dataclasses.replace(self, params=int4_n_major(self.params, donate=donate))
+        return dataclasses.replace(self, params=int4_n_major(
+            self.params, donate=donate, keep_packed=mode == "both"))
 
     def with_quantization(self, method: str | None) -> LoadedModel:
         """This (float) model with its projections quantized at ``method`` (``int8``), as
