@@ -248,7 +248,11 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
         jax.clear_caches()
         lowered = programs.forward.lower(abstract_params, pool, packed, prev_tokens)
     first = len(jax.tree.leaves(abstract_params)) + len(jax.tree.leaves(pool))
-    inputs = {"batch": first, "prev_tokens": first + 1}  # (params, pool, packed, prev_tokens)
+    # (params, pool, packed, prev_tokens) -> the program's parameter numbers: JAX drops the
+    # inputs a program never reads (the N-major copies of JAXLLM_INT4_HOPPER=both at 1-16
+    # rows), which renumbers the ones after them
+    kept = sorted(lowered._lowering.compile_args["kept_var_idx"])
+    inputs = {"batch": kept.index(first), "prev_tokens": kept.index(first + 1)}
     return lowered, forward_compiler_options(described["quantization"]), inputs
 
 

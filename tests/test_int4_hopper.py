@@ -178,10 +178,10 @@ def test_n_major_projections_past_the_kernels_tokens_take_xla():
 
 def test_both_layouts_send_the_gemv_tokens_to_the_packed_words_and_more_to_the_copy():
     """``JAXLLM_INT4_HOPPER=both``: the packed weight keeps its words (not freed, even when
-    donated) with the N-major copy beside them; 1-16 tokens run the packed GEMV, more the
-    Hopper kernel (interpreted) and past INT4_HOPPER_MAX_TOKENS XLA over the copy, each within
-    bf16 rounding of the packed weight's CPU result (which stays the packed path's); the
-    weights a step reads (``one_layout``) are the packed ones alone."""
+    donated) with the N-major copy beside them. 1-16 tokens run the packed GEMV, 17 to
+    INT4_HOPPER_MAX_TOKENS the Hopper kernel (interpreted) over the copy, more XLA's dequantize
+    and dot of the packed words; each within bf16 rounding of the packed weight's CPU result,
+    which stays the packed path's. A step reads one layout (``one_layout``: the packed)."""
     from jaxllm.layers.linear import (
         INT4_HOPPER_MAX_TOKENS,
         Int4Weight,
@@ -206,6 +206,8 @@ def test_both_layouts_send_the_gemv_tokens_to_the_packed_words_and_more_to_the_c
         names = set(re.findall(r"name=(\w+)", str(jax.make_jaxpr(run)(rows))))
         kernels = names & {"int4_gemv", "int4_matmul", "int4_matmul_hopper_nk", "int4_gemv_nk"}
         assert kernels == ({kernel} if kernel else set()), (tokens, names)
+        if kernel is None:  # the packed words' path: no N-major [N, K] dequantized
+            assert "transpose" not in str(jax.make_jaxpr(run)(rows))
         ref = np.asarray(linear(rows, packed), np.float32)
         np.testing.assert_array_equal(np.asarray(linear(rows, both), np.float32), ref)
         out = np.asarray(run(rows), np.float32)

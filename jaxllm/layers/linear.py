@@ -111,8 +111,9 @@ class Int4Weight:
     projections' column orders and a tensor-parallel split of either axis select words.
 
     ``n_major``: the same weight also stored N-major (``JAXLLM_INT4_HOPPER=both``, made at
-    load by :func:`int4_n_major`): projections past the GEMV's tokens read that copy instead
-    (the Hopper kernel, or XLA past it); None (the default) keeps the packed words only."""
+    load by :func:`int4_n_major`): projections of more tokens than the GEMV's, up to
+    :data:`INT4_HOPPER_MAX_TOKENS`, read that copy instead (the Hopper kernel); None (the
+    default) keeps the packed words only."""
 
     qweight: jax.Array
     scales: jax.Array
@@ -339,7 +340,11 @@ def linear(x: jax.Array | Fp8Activation | Int4Activation, kernel, *,
     if isinstance(kernel, Int4Weight):
         parts = (x, kernel.qweight, kernel.scales, kernel.zeros)
         path = int4_kernel(x, kernel, backend, mesh)
-        if kernel.n_major is not None and path != "gemv" and backend != "xla":
+        # both layouts: the Hopper kernel's tokens on the N-major copy; past them XLA's
+        # dequantize and dot of the packed words (as fast as of the copy through the engine,
+        # RESULTS.md 2026-12-07, and 255 fewer launches in the 8,192-token step)
+        if (kernel.n_major is not None and path != "gemv" and backend != "xla"
+                and x.size // x.shape[-1] <= INT4_HOPPER_MAX_TOKENS):
             return _int4_nk_matmul(x, kernel.n_major, backend)
         impl = {"gemv": int4_gemv, "matmul": int4_matmul}.get(path)
         if impl is not None:
