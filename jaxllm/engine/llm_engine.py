@@ -74,7 +74,7 @@ class LLMEngine(StepLauncher):
         backend = resolve_backend(config.attention_backend)  # refused before any loading
         fp8_kernels.check_settings()  # likewise a bad JAXLLM_FP8_*_KERNEL
         stage_step_input()  # and a bad JAXLLM_STAGE_STEP_INPUT
-        int4_n_major = int4_hopper_mode()  # and a bad JAXLLM_INT4_HOPPER
+        int4_layout = int4_hopper_mode()  # and a bad JAXLLM_INT4_HOPPER
         int4_fusion.fusion_enabled()  # or JAXLLM_INT4_FUSION
         rope_kv_kernel_enabled()  # or JAXLLM_ROPE_KV_KERNEL
         owned = model is None  # the engine's own load: its arrays may be freed as converted
@@ -96,8 +96,8 @@ class LLMEngine(StepLauncher):
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
                 config.tensor_parallel_size, config.pipeline_parallel_size,
-            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_n_major,
-                                                                        donate=owned)
+            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_layout,
+                                                                       donate=owned)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

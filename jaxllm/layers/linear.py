@@ -19,7 +19,9 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   both dequantize in registers (decode reads a quarter of bf16's bytes); with
   ``JAXLLM_INT4_HOPPER=on`` the weights are stored N-major instead (:class:`Int4WeightNK`)
   and a Hopper GPU runs 1-4 tokens through the N-major GEMV, up to
-  :data:`INT4_HOPPER_MAX_TOKENS` through one Mosaic GPU kernel and more through XLA.
+  :data:`INT4_HOPPER_MAX_TOKENS` through one Mosaic GPU kernel and more through XLA;
+  ``JAXLLM_INT4_HOPPER=both`` keeps both layouts (``Int4Weight.n_major``) and gives the GEMV's
+  tokens to the packed words, the Mosaic GPU kernel's to the N-major copy.
   Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
   tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
   that path's).
@@ -169,10 +171,11 @@ class Int4WeightNK:
 # N-major GEMV's best of 18 configs for each projection took 89.0 us a layer against the packed
 # one's 67.5, another H100 the same day):
 # the issue's AWQ goal is that step. JAXLLM_INT4_HOPPER=both keeps the packed words beside the
-# N-major copy (the 4-bit weights' bytes twice: +3.6 GB for Llama-3-8B): the GEMV's 1-16
-# tokens read the packed words with every fusion of the default, more tokens the N-major copy
-# (not yet timed through the engine). Read where the engine loads, so listed among the
-# executable cache's program variables (executable_cache.PROGRAM_ENV).
+# N-major copy (the 4-bit weights' bytes twice: +3.5 GB for Llama-3-8B): the GEMV's 1-16
+# tokens read the packed words with every fusion of the default, 17 to INT4_HOPPER_MAX_TOKENS
+# the copy (the Hopper kernel), more the packed words (XLA); not yet timed through the engine.
+# Read where the engine loads, so listed among the executable cache's program variables
+# (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
 INT4_HOPPER_MODES = ("off", "on", "both")
 
