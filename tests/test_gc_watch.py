@@ -109,6 +109,9 @@ def test_frozen_heap_leaves_a_settled_heap_frozen(monkeypatch):
         frozen = gc.get_freeze_count()
         with gc_watch.frozen_heap():
             pass
-        assert gc.get_freeze_count() >= frozen > 0
+        # still frozen: a thaw would empty the permanent generation. Frozen objects freed
+        # meanwhile (another test's thread ending in this worker) lower the count by a few:
+        # CI saw 1,036,807 -> 1,036,805 once.
+        assert gc.get_freeze_count() > frozen // 2 > 0
     finally:
         gc.unfreeze()
