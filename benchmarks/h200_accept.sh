@@ -333,7 +333,8 @@ only17() {
       picked t1ah && step l16h_latency_awq_hopper 40 200 bash -c "JAXLLM_INT4_HOPPER=on \
         $PY ${LATENCY//$'\n'/ } -q awq --output-json $DIR/l16h_awq_hopper.json"
       # t1ab: the AWQ engine with both layouts (JAXLLM_INT4_HOPPER=both: the GEMV's 1-16
-      # tokens on the packed words, more on the N-major copy), offline beside t1a; then the
+      # tokens on the packed words, 17-512 on the N-major copy, more on the packed words
+      # through XLA), offline beside t1a; then the
       # one-row AWQ step by device time under both and by default, one process each
       picked t1ab && step t1ab_sharegpt_awq_both 150 300 env JAXLLM_INT4_HOPPER=both $PY \
         $TIMELINE --dataset-name sharegpt-like --quantization awq \
