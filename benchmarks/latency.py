@@ -270,6 +270,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import jaxllm
     from jaxllm.engine.engine_config import resolve_unroll_layers
+    from jaxllm.engine.int4_layout import with_int4_layout
     from jaxllm.layers.linear import int4_hopper_mode, one_layout
     from jaxllm.parallel.pipeline import bubble_fraction, num_micro_batches
 
@@ -287,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                               seed=args.seed, tensor_parallel_size=tp, unroll_layers=unroll,
                               quantization=args.quantization, pipeline_parallel_size=pp)
     # the 4-bit weights N-major under JAXLLM_INT4_HOPPER, as the engine stores them
-    model = model.with_int4_n_major(int4_hopper_mode(), donate=True)
+    model = with_int4_layout(model, int4_hopper_mode(), donate=True)
     from jaxllm.kv_pool import kv_cache_dtype
 
     kv_dtype = kv_cache_dtype(args.kv_cache_dtype, model.dtype)

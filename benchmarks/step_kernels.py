@@ -75,6 +75,7 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 patch: 0 }
 device_description_str: "NVIDIA H200"
 """
+H200_MEMORY = int(re.search(r"device_memory_size: (\d+)", H200).group(1))
 POOL_BLOCKS = 4096
 LAUNCHING = ("fusion", "custom-call", "copy", "while", "conditional", "call", "gather",
              "scatter", "dynamic-update-slice", "sort")
@@ -190,7 +191,7 @@ def tracing_for_gpu():
 
     h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
     with mock.patch.object(jax, "default_backend", lambda: "gpu"), \
-            mock.patch.object(jaxllm.attention, "_compute_capability", lambda: "9.0"), \
+            mock.patch.object(jaxllm.attention, "device_compute_capability", lambda: "9.0"), \
             mock.patch.object(pallas_call_registration.gpu_info_lib, "get_gpu_info",
                               lambda: h200):
         yield
@@ -205,7 +206,9 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
     import jax.numpy as jnp
     import numpy as np
 
+    from jaxllm.attention import HOPPER
     from jaxllm.batch import PackedBatch, pack_batch
+    from jaxllm.engine.int4_layout import resolve_int4_layout
     from jaxllm.engine.step_programs import ProgramKey, stage_step_input, step_programs
     from jaxllm.kv_pool import kv_cache_dtype as pool_dtype
     from jaxllm.kv_pool import new_kv_pool
@@ -223,8 +226,9 @@ def step_program(model: str, quantization: str | None, kv_cache_dtype: str, rows
 
     def params():  # the loader's dummy params, shapes only
         loaded = load_model(model, load_format="dummy", dtype="bfloat16",
-                            quantization=quantization, unroll_layers=True,
-                            ).with_int4_n_major(int4_hopper_mode())  # as the engine
+                            quantization=quantization, unroll_layers=True)
+        layout, _ = resolve_int4_layout(int4_hopper_mode(), loaded, H200_MEMORY, HOPPER)
+        loaded = loaded.with_int4_n_major(layout)  # as the engine would on the H200
         described.update(config=loaded.config, dtype=loaded.dtype,
                          quantization=loaded.quantization)  # (no tracer leaves the trace)
         return loaded.params

@@ -59,20 +59,21 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         if jax.default_backend() != "gpu":
             return "reference"
-        return "pallas_mosaic" if _compute_capability() == HOPPER else "pallas"
+        return "pallas_mosaic" if device_compute_capability() == HOPPER else "pallas"
     if backend in ("pallas", "pallas_mosaic") and jax.default_backend() != "gpu":
         raise ValueError(f"attention backend {backend!r} needs a GPU (this platform: "
                          f"{jax.default_backend()}); its interpreted form is "
                          f"{backend + '_interpret'!r}")
     if backend == "pallas_mosaic":
-        capability = _compute_capability()
+        capability = device_compute_capability()
         if capability != HOPPER:
             raise ValueError(f"attention backend 'pallas_mosaic' needs a Hopper GPU (compute "
                              f"capability {HOPPER}); this one has {capability}")
     return backend
 
 
-def _compute_capability() -> str | None:
+def device_compute_capability() -> str | None:
+    """The first device's CUDA compute capability ("9.0" on Hopper); None off CUDA."""
     return getattr(jax.devices()[0], "compute_capability", None)
 
 
@@ -214,5 +215,6 @@ def rope_write_kv_and_attend(
                            backend=backend, merge=merge), kv_pool
 
 
-__all__ = ["ATTENTION_BACKENDS", "is_decode_batch", "paged_attention", "resolve_backend",
-           "rope_kv_kernel_applies", "rope_write_kv_and_attend", "write_kv_and_attend"]
+__all__ = ["ATTENTION_BACKENDS", "HOPPER", "device_compute_capability", "is_decode_batch",
+           "paged_attention", "resolve_backend", "rope_kv_kernel_applies",
+           "rope_write_kv_and_attend", "write_kv_and_attend"]

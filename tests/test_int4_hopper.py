@@ -263,6 +263,6 @@ def test_engine_stores_n_major_weights_when_asked(monkeypatch):
     with pytest.raises(ValueError, match="needs the unrolled layers"):
         model.with_layer_layout(False).with_int4_n_major("on")
     monkeypatch.setenv("JAXLLM_INT4_HOPPER", "yes")
-    with pytest.raises(ValueError, match=r"JAXLLM_INT4_HOPPER='yes' must be one of \['both', "
-                                         r"'off', 'on'\]"):
+    with pytest.raises(ValueError, match=r"JAXLLM_INT4_HOPPER='yes' must be one of \['auto', "
+                                         r"'both', 'off', 'on'\]"):
         jaxllm.LLM(model, **args)

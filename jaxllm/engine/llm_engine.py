@@ -28,6 +28,7 @@ from jaxllm.engine.engine_config import (
     resolve_unroll_layers,
 )
 from jaxllm.engine.executable_cache import ExecutableCache
+from jaxllm.engine.int4_layout import with_int4_layout
 from jaxllm.engine.kv_sizing import model_device, plan_kv_blocks, total_device_memory
 from jaxllm.engine.memory_errors import out_of_memory_explained
 from jaxllm.engine.model_runner import BANNED_WIDTH, ModelRunner
@@ -96,8 +97,8 @@ class LLMEngine(StepLauncher):
             # for tensor parallelism, sharded) copy.
             model = model.with_quantization(config.quantization).with_tensor_parallel(
                 config.tensor_parallel_size, config.pipeline_parallel_size,
-            ).with_layer_layout(config.unroll_layers).with_int4_n_major(int4_layout,
-                                                                       donate=owned)
+            ).with_layer_layout(config.unroll_layers)
+            model = with_int4_layout(model, int4_layout, donate=owned)
         if model.quantization is not None:
             logger.info("weights: %s", model.quantization.describe())
         loaded = time.perf_counter()

@@ -177,12 +177,14 @@ class Int4WeightNK:
 # Read where the engine loads, so listed among the executable cache's program variables
 # (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
-INT4_HOPPER_MODES = ("off", "on", "both")
+INT4_LAYOUTS = ("off", "on", "both")  # what a loaded model holds
+INT4_HOPPER_MODES = (*INT4_LAYOUTS, "auto")
 
 
 def int4_hopper_mode(environ=os.environ) -> str:
     """``JAXLLM_INT4_HOPPER``'s value: "off" (unset: the packed words only), "on" (N-major
-    only) or "both"; a clear error for any other value."""
+    only), "both", or "auto" ("both" where it pays: :mod:`jaxllm.engine.int4_layout`); a
+    clear error for any other value."""
     return env_choice(environ, INT4_HOPPER_ENV, INT4_HOPPER_MODES)
 
 

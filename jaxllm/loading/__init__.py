@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.layers.linear import INT4_HOPPER_MODES, int4_n_major
+from jaxllm.layers.linear import INT4_LAYOUTS, int4_n_major
 from jaxllm.loading.assemble import assemble_params, replicate_kv_heads
 from jaxllm.loading.dummy import dummy_params
 from jaxllm.loading.orbax_checkpoint import (
@@ -93,8 +93,9 @@ class LoadedModel:
         the packed words, "both" beside them; on one device with the unrolled layers. "off",
         or no 4-bit weights: unchanged. ``donate``: the caller owns these params, so with
         "on" each packed weight is freed as it is converted."""
-        if mode not in INT4_HOPPER_MODES:
-            raise ValueError(f"int4 N-major mode {mode!r} must be one of {INT4_HOPPER_MODES}")
+        if mode not in INT4_LAYOUTS:
+            raise ValueError(f"int4 N-major mode {mode!r} must be one of {INT4_LAYOUTS} "
+                             "(the engine resolves 'auto')")
         if mode == "off" or self.quantization is None or self.quantization.bits != 4:
             return self
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
