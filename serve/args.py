@@ -19,6 +19,7 @@ from jaxllm.attention import ATTENTION_BACKENDS
 from jaxllm.engine.engine_config import BLOCK_SIZES, KV_CACHE_DTYPES, EngineConfig
 from jaxllm.engine.replica_devices import visible_gpus
 from jaxllm.pooling_params import PoolingParams
+from jaxllm.quantization import QUANTIZATION_NAMES
 
 DEFAULT_MAX_BODY_BYTES = 2 * 1024 * 1024  # TGI's payload limit; aiohttp's own default is 1 MiB
 API_KEY_ENV = "JAXLLM_API_KEY"
@@ -211,9 +212,10 @@ def build_parser(prog: str = "jaxllm serve") -> argparse.ArgumentParser:
     engine.add_argument("--preemption-mode", default=None, choices=["recompute", "swap"])
     engine.add_argument("--quantization", "-q", default=None,
                         help="int8 (weight-only) or fp8 (W8A8, dynamic per-token activation "
-                        "scales), quantized at load time; awq or gptq: a 4-bit checkpoint's "
-                        "own; 'gguf' for a .gguf model (dequantized at load); None: as the "
-                        "checkpoint is")
+                        "scales), quantized at load time; awq or gptq (or vLLM's awq_marlin, "
+                        "gptq_marlin): a 4-bit checkpoint's own; compressed-tensors: an FP8 "
+                        "checkpoint's own; 'gguf' for a .gguf model (dequantized at load); "
+                        "None: as the checkpoint is")
     engine.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                         help="the KV cache's dtype: auto (the model's) or fp8 (e4m3 with a "
                         "scale of 1, as vLLM without calibrated scales: twice the blocks)")
@@ -303,11 +305,11 @@ def configs_from_args(args: argparse.Namespace,
             raise ValueError("--quantization=gguf is not supported for this model: it names a "
                              "GGUF file's own quantization (dequantized at load)")
         quantization = None
-    elif quantization not in (None, "int8", "fp8", "awq", "gptq"):
+    elif quantization is not None and quantization not in QUANTIZATION_NAMES:
         raise ValueError(
             f"--quantization={quantization} is not supported yet: jaxllm quantizes weights "
-            "with int8 or fp8 at load time and reads 4-bit awq and gptq and "
-            "compressed-tensors fp8 checkpoints")
+            "with int8 or fp8 at load time and reads 4-bit awq and gptq (also named "
+            "awq_marlin, gptq_marlin) and compressed-tensors fp8 checkpoints")
     engine = EngineConfig(
         model=model, tokenizer=args.tokenizer, dtype=args.dtype, load_format=args.load_format,
         seed=args.seed, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -95,6 +95,18 @@ def test_the_engine_serves_an_fp8_checkpoint():
     assert got == np.asarray(out.tokens[0]).tolist()
 
 
+def test_compressed_tensors_names_the_checkpoints_own_quantization():
+    """vLLM's ``--quantization compressed-tensors`` reads an FP8 checkpoint as no flag does
+    (and is refused for a float checkpoint: :mod:`test_quantization`)."""
+    stored = checkpoint_config("fp8_channel")
+    assert resolve_quantization("compressed-tensors", stored) == resolve_quantization(
+        None, stored) == resolve_quantization("fp8", stored)
+    model = jaxllm.load_model(os.path.join(FIXTURES, "fp8_channel"), dtype="float32",
+                              quantization="compressed-tensors")
+    assert model.quantization.method == "fp8" and model.quantization.from_checkpoint
+    assert model.with_quantization("compressed-tensors") is model
+
+
 def _edited(change) -> dict:
     qc = copy.deepcopy(checkpoint_config("fp8_channel"))
     change(qc)

@@ -168,17 +168,47 @@ def test_quantized_checkpoints_are_refused_before_any_weight_is_read(tmp_path, m
         jaxllm.load_model(str(tmp_path / "m"))
 
 
+AWQ_CHECKPOINT = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+                  "version": "gemm"}
+
+
 @pytest.mark.parametrize("requested, checkpoint, message", [
-    ("int4", None, "--quantization int4: must be one of int8, fp8, awq, gptq"),
+    ("int4", None, "--quantization int4: must be one of int8, fp8, awq, gptq, awq_marlin, "
+                   "gptq_marlin, compressed-tensors"),
     ("awq", None, "--quantization awq: needs a checkpoint quantized with awq"),
+    ("awq_marlin", None, "--quantization awq_marlin: needs a checkpoint quantized with awq"),
     ("fp8", {"quant_method": "fp8"}, "quant_method 'fp8': not supported yet"),
-    ("int8", {"quant_method": "awq", "bits": 4, "group_size": 128},
-     "the checkpoint is quantized with awq"),
+    ("int8", AWQ_CHECKPOINT, "the checkpoint is quantized with awq"),
+    ("gptq_marlin", AWQ_CHECKPOINT, "--quantization gptq_marlin: the checkpoint is quantized "
+                                    "with awq"),
+    ("compressed-tensors", None, "--quantization compressed-tensors: needs a checkpoint in "
+                                 "that format \\(the model has no quantization_config\\)"),
+    ("compressed-tensors", AWQ_CHECKPOINT, "quantization_config names quant_method 'awq'"),
 ])
 def test_flag_and_checkpoint_must_agree(requested, checkpoint, message):
     with pytest.raises(ValueError, match=message):
         resolve_quantization(requested, checkpoint)
     assert resolve_quantization(None, None) is None
+
+
+def test_vllm_names_select_the_same_weights():
+    """vLLM's Marlin names for AWQ / GPTQ checkpoints (its own upgrade of "awq") and the
+    compressed-tensors format's name read the checkpoint as the plain method does; a dummy
+    model made under a Marlin name is the plain method's, which keeps it as it is."""
+    from tiny_models import TINY
+
+    from jaxllm import ModelConfig
+    from jaxllm.loading import load_model
+
+    assert resolve_quantization("awq_marlin", AWQ_CHECKPOINT) == resolve_quantization(
+        "awq", AWQ_CHECKPOINT) == resolve_quantization(None, AWQ_CHECKPOINT)
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False,
+            "sym": True}
+    assert resolve_quantization("gptq_marlin", gptq) == resolve_quantization(None, gptq)
+    model = load_model(load_format="dummy", config=ModelConfig(**TINY), quantization="awq_marlin")
+    assert model.quantization.method == "awq" and model.quantization.bits == 4
+    assert model.with_quantization("awq_marlin") is model
+    assert model.with_quantization("awq") is model
 
 
 @pytest.mark.parametrize("method", ["int8", "awq"])

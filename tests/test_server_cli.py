@@ -84,6 +84,8 @@ def test_unsupported_values_fail_before_loading(argv, message):
     with pytest.raises(ValueError, match=message):
         configs(*argv)
     assert configs("-q", "gguf")[0].model is None  # the default model is a GGUF file
+    for name in ("awq_marlin", "gptq_marlin", "compressed-tensors"):  # vLLM's names
+        assert configs("/models/llama", "-q", name)[0].quantization == name
 
 
 @pytest.mark.parametrize("field, value", [("port", 70000), ("max_queue_len", 0),

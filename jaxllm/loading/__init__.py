@@ -38,7 +38,12 @@ from jaxllm.parallel import (
     tensor_parallel_size,
 )
 from jaxllm.presets import PRESETS
-from jaxllm.quantization import QuantizationConfig, quantize_leaf, resolve_quantization
+from jaxllm.quantization import (
+    QuantizationConfig,
+    quantization_method,
+    quantize_leaf,
+    resolve_quantization,
+)
 from jaxllm.quantization.config import DUMMY_INT4_GROUP_SIZES, INT4_METHODS, dummy_int4_config
 from jaxllm.quantization.int4_checkpoint import check_int4_layout
 
@@ -112,7 +117,7 @@ class LoadedModel:
         ``load_model(..., quantization=method)`` would load it; new arrays (the caller's stay).
         None, or the model's own method, returns it unchanged."""
         current = self.quantization.method if self.quantization else None
-        if method is None or method == current:
+        if method is None or quantization_method(method) == current:
             return self
         if current is not None:
             raise ValueError(f"this model is already quantized with {current}; load it again "
@@ -278,8 +283,8 @@ class _Loader:
 
     def dummy(self, name: str, checkpoint: ModelConfig, tokenizer) -> LoadedModel:
         config, mesh, shardings = self.placement(checkpoint)
-        if self.quantization in INT4_METHODS:  # random packed weights, made as they are stored
-            quantization, transform = self.dummy_int4(checkpoint), None
+        if quantization_method(self.quantization) in INT4_METHODS:  # random packed weights,
+            quantization, transform = self.dummy_int4(checkpoint), None  # made as stored
         else:
             quantization, transform = self.quantizer()
         dt = resolve_dtype(self.dtype, config)
@@ -291,7 +296,7 @@ class _Loader:
     def dummy_int4(self, checkpoint: ModelConfig) -> QuantizationConfig:
         """The first of the quantizers' default group sizes that tiles every projection."""
         for group in DUMMY_INT4_GROUP_SIZES:
-            config = dummy_int4_config(self.quantization, group)
+            config = dummy_int4_config(quantization_method(self.quantization), group)
             try:
                 check_int4_layout(checkpoint, config, self.tensor_parallel_size)
                 return config

@@ -20,6 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 QUANTIZATION_METHODS = ("int8", "fp8", "awq", "gptq")
+# vLLM's other names for the same weights: the Marlin kernels it serves AWQ and GPTQ
+# checkpoints with (it upgrades "awq" to "awq_marlin" itself, so its users' command lines name
+# them), and the compressed-tensors format, which names a checkpoint's own quantization (here
+# its FP8 W8A8) and quantizes nothing at load time.
+VLLM_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+CHECKPOINT_FORMATS = {"compressed-tensors": "fp8"}
+QUANTIZATION_NAMES = (*QUANTIZATION_METHODS, *VLLM_ALIASES, *CHECKPOINT_FORMATS)
 IMPLEMENTED = ("int8", "fp8")  # at load time, from float weights
 FROM_CHECKPOINT = ("awq", "gptq", "fp8")  # read as stored from a quantized checkpoint
 INT4_METHODS = ("awq", "gptq")
@@ -169,13 +176,27 @@ def _checkpoint_method(qc: Mapping[str, Any]) -> QuantizationConfig:
                      f"{', '.join(QUANTIZATION_METHODS)})")
 
 
+def quantization_method(name: str | None) -> str | None:
+    """The method a ``--quantization`` name stands for (vLLM's aliases mapped; others as
+    given, checked by :func:`resolve_quantization`)."""
+    return VLLM_ALIASES.get(name) or CHECKPOINT_FORMATS.get(name) or name
+
+
 def resolve_quantization(requested: str | None,
                          checkpoint_config: Mapping[str, Any] | None) -> QuantizationConfig | None:
     """The quantization to run: the checkpoint's when it has one (``requested`` must then
-    agree or be None, as vLLM checks), else ``requested`` applied at load time."""
+    agree or be None, as vLLM checks), else ``requested`` applied at load time. ``requested``
+    may use vLLM's names (:data:`QUANTIZATION_NAMES`)."""
     flag = f"--quantization {requested}"
-    if requested is not None and requested not in QUANTIZATION_METHODS:
-        raise ValueError(f"{flag}: must be one of {', '.join(QUANTIZATION_METHODS)}")
+    if requested is not None and requested not in QUANTIZATION_NAMES:
+        raise ValueError(f"{flag}: must be one of {', '.join(QUANTIZATION_NAMES)}")
+    if requested in CHECKPOINT_FORMATS:
+        stored = None if checkpoint_config is None else checkpoint_config.get("quant_method")
+        if stored != requested:
+            found = ("the model has no quantization_config" if stored is None
+                     else f"its quantization_config names quant_method {stored!r}")
+            raise ValueError(f"{flag}: needs a checkpoint in that format ({found})")
+    requested = quantization_method(requested)
     if checkpoint_config is not None:
         config = _checkpoint_method(checkpoint_config)
         if requested is not None and requested != config.method:
