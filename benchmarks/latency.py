@@ -42,6 +42,8 @@ import numpy as np
 from jaxllm.benchmarks.provenance import source_commit
 from jaxllm.benchmarks.step_profile import add_gemv_overrides_argument
 
+from jaxllm.quantization.config import QUANTIZATION_NAMES
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None)
@@ -71,7 +73,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         "rule, jaxllm.parallel.pipeline.num_micro_batches)")
     add_gemv_overrides_argument(parser)
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["int8", "fp8", "awq", "gptq"],
+                        choices=QUANTIZATION_NAMES,
                         help="int8 weight-only or fp8 W8A8 quantized at load time (dummy weights "
                         "too); awq, gptq: a 4-bit checkpoint's own. The roofline counts the "
                         "bytes the quantized weights actually hold")

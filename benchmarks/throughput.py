@@ -63,6 +63,8 @@ from jaxllm.benchmarks.hf_tuned import TUNED_CACHES
 from jaxllm.benchmarks.metrics import TokenCountError, check_output_tokens
 from jaxllm.benchmarks.provenance import source_commit
 
+from jaxllm.quantization.config import QUANTIZATION_NAMES
+
 HF_BACKENDS = ("hf", "hf-tuned", "hf-cb")
 BACKENDS = ("jaxllm", *HF_BACKENDS, "jax-static")
 
@@ -88,7 +90,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    choices=["auto", "safetensors", "gguf", "dummy"])
     m.add_argument("--dtype", default="auto",
                    choices=["auto", "float32", "float", "bfloat16", "float16", "half"])
-    m.add_argument("--quantization", "-q", default=None, choices=["int8", "fp8", "awq", "gptq"],
+    m.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_NAMES,
                    help="jaxllm and jax-static: int8 weight-only or fp8 W8A8 quantized at load "
                    "time (dummy weights too); awq, gptq: a 4-bit checkpoint's own")
     e = parser.add_argument_group("engine (jaxllm; --max-num-seqs is also jax-static's batch "

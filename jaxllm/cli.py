@@ -11,6 +11,7 @@ import sys
 import time
 
 from jaxllm.errors import JaxLLMError
+from jaxllm.quantization.config import QUANTIZATION_NAMES
 
 DEFAULT_PROMPT = "What are three good reasons to learn a second language?"
 
@@ -30,7 +31,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="split the layers into this many stages, each over its own "
                              "--tensor-parallel-size devices")
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["int8", "fp8", "awq", "gptq"],
+                        choices=QUANTIZATION_NAMES,
                         help="int8 weight-only or fp8 W8A8: quantized at load time; awq, gptq: "
                              "a 4-bit checkpoint's own (read from its quantization_config "
                              "without the flag)")
