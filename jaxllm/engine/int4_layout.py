@@ -24,8 +24,8 @@ from jaxllm.loading import LoadedModel
 logger = logging.getLogger(__name__)
 
 # The largest N-major copy "auto" keeps, as a share of the device's memory. A chosen bound,
-# not a measured break-even: it admits the 7-8B models (3.5 GB: under 5% of an H100's KV
-# cache) and refuses the 70B on one card, where the copy would take most of the KV cache.
+# not a measured break-even: it admits the 7-8B models (3.5 GB: 4.4% of an H100, 2.5% of an
+# H200) and refuses the 70B on one card, where the copy would take most of the KV cache.
 AUTO_COPY_MAX_SHARE = 1 / 16
 
 
