@@ -5,8 +5,7 @@ model and the device it runs on.
 rows; :mod:`jaxllm.layers.linear`) costs the 4-bit weights' bytes a second time, taken from the
 KV cache. "auto" keeps the copy only where the kernel runs (a Hopper GPU, one device, the
 unrolled layers) and the copy is small beside the card: Llama-3-8B's 3.5 GB is 2.5% of an
-H200 (4.4% of an H100), Llama-3-70B's 35 GB a quarter of an H200, whose KV cache it would
-mostly take.
+H200 (4.4% of an H100), Llama-3-70B's 35 GB a quarter of an H200 (:data:`AUTO_COPY_MAX_SHARE`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # The largest N-major copy "auto" keeps, as a share of the device's memory. A chosen bound,
 # not a measured break-even: it admits the 7-8B models (3.5 GB: 4.4% of an H100, 2.5% of an
-# H200) and refuses the 70B on one card, where the copy would take most of the KV cache.
+# H200) and refuses the 70B on one card, where its 35 GB would take ~40% of the KV cache.
 AUTO_COPY_MAX_SHARE = 1 / 16
 
 
