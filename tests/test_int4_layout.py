@@ -89,7 +89,9 @@ def test_engine_builds_what_auto_resolves_to(awq_model, monkeypatch, caplog):
         assert isinstance(kernel, Int4Weight)
         assert isinstance(kernel.n_major, Int4WeightNK) == hopper
         said = [r.getMessage() for r in caplog.records]
-        assert said == ([] if hopper else
+        copy_gib = n_major_copy_bytes(awq_model.params) / 2**30
+        assert said == ([f"4-bit weights: packed words and an N-major copy for the Hopper "
+                         f"kernel (+{copy_gib:.2f} GiB)"] if hopper else
                         ["4-bit weights: packed words only (not a Hopper GPU (compute "
                          "capability None))"])
         tokens[hopper] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]

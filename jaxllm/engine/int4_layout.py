@@ -76,6 +76,9 @@ def with_int4_layout(model: LoadedModel, mode: str, *, donate: bool = False) -> 
         mode, model, total_device_memory(model_device(model)))
     if kept_packed_only:
         logger.info("4-bit weights: packed words only (%s)", kept_packed_only)
+    elif layout == "both" and model.quantization is not None and model.quantization.bits == 4:
+        logger.info("4-bit weights: packed words and an N-major copy for the Hopper kernel "
+                    "(+%.2f GiB)", n_major_copy_bytes(model.params) / 2**30)
     return model.with_int4_n_major(layout, donate=donate)
 
 
