@@ -178,3 +178,10 @@ def test_convert_keeps_a_4bit_checkpoint_packed(tmp_path, method, group):
     for unroll, model in converted.items():
         layers = model.params["layers"][0] if unroll else model.params["layers"]
         assert isinstance(layers["mlp"]["down_proj"]["kernel"], Int4Weight)
+    # vLLM's Marlin name for the method agrees with the converted checkpoint, the other refused
+    out = str(tmp_path / "converted")
+    assert jaxllm.load_model(out, quantization=f"{method}_marlin").quantization == \
+        converted[False].quantization
+    other = "gptq" if method == "awq" else "awq"
+    with pytest.raises(ValueError, match=f"was converted with quantization {method}"):
+        jaxllm.load_model(out, quantization=f"{other}_marlin")

@@ -28,7 +28,7 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.loading.dummy import param_shapes
 from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models.llama import unstack_layer_params
-from jaxllm.quantization import QuantizationConfig
+from jaxllm.quantization import QuantizationConfig, quantization_method
 from jaxllm.quantization.apply import stand_in_shape
 
 METADATA_FILE = "jaxllm_checkpoint.json"
@@ -141,7 +141,7 @@ class ConvertedCheckpoint:
                              f"with dtype auto, or convert again with --dtype "
                              f"{jnp.dtype(dtype).name}")
         method = self.quantization.method if self.quantization else None
-        if quantization is not None and quantization != method:
+        if quantization is not None and quantization_method(quantization) != method:
             raise ValueError(f"{self.path} was converted with quantization {method}: load it "
                              f"without --quantization, or convert again with --quantization "
                              f"{quantization}")
