@@ -60,7 +60,7 @@ def resolve_int4_layout(mode: str, model: LoadedModel, device_memory: float | No
     defaults to the first device's."""
     if mode != "auto":
         return mode, None
-    if model.quantization is None or model.quantization.bits != 4:
+    if not model.has_int4_weights:
         return "off", None  # no 4-bit weights: nothing to lay out
     if compute_capability is None:
         compute_capability = attention.device_compute_capability()
@@ -76,7 +76,7 @@ def with_int4_layout(model: LoadedModel, mode: str, *, donate: bool = False) -> 
         mode, model, total_device_memory(model_device(model)))
     if kept_packed_only:
         logger.info("4-bit weights: packed words only (%s)", kept_packed_only)
-    elif layout == "both" and model.quantization is not None and model.quantization.bits == 4:
+    elif layout == "both" and model.has_int4_weights:
         logger.info("4-bit weights: packed words and an N-major copy for the Hopper kernel "
                     "(+%.2f GiB)", n_major_copy_bytes(model.params) / 2**30)
     return model.with_int4_n_major(layout, donate=donate)

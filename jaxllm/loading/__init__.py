@@ -77,6 +77,11 @@ class LoadedModel:
         return pipeline_parallel_size(self.mesh)
 
     @property
+    def has_int4_weights(self) -> bool:
+        """Whether the projections are 4-bit (:class:`jaxllm.layers.linear.Int4Weight`)."""
+        return self.quantization is not None and self.quantization.bits == 4
+
+    @property
     def unroll_layers(self) -> bool:
         """Whether the params are laid out for the unrolled layer stack (see
         :mod:`jaxllm.kv_pool`): one tree per layer instead of stacked leaves."""
@@ -101,7 +106,7 @@ class LoadedModel:
         if mode not in INT4_LAYOUTS:
             raise ValueError(f"int4 N-major mode {mode!r} must be one of {INT4_LAYOUTS} "
                              "(the engine resolves 'auto')")
-        if mode == "off" or self.quantization is None or self.quantization.bits != 4:
+        if mode == "off" or not self.has_int4_weights:
             return self
         if self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError(f"JAXLLM_INT4_HOPPER={mode} runs on one device: unset it for "
