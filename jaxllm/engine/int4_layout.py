@@ -54,16 +54,14 @@ def auto_int4_layout_refusal(model: LoadedModel, device_memory: float | None,
 
 
 def resolve_int4_layout(mode: str, model: LoadedModel, device_memory: float | None,
-                        compute_capability: str | None = None) -> tuple[str, str | None]:
+                        compute_capability: str | None) -> tuple[str, str | None]:
     """``mode`` ("off", "on", "both" or "auto") as the concrete layout to build, and, where
-    "auto" kept a 4-bit model's packed words only, why (None otherwise). ``compute_capability``
-    defaults to the first device's."""
+    "auto" kept a 4-bit model's packed words only, why (None otherwise); on a device with
+    ``device_memory`` bytes (None: unknown) and ``compute_capability`` (None: not CUDA)."""
     if mode != "auto":
         return mode, None
     if not model.has_int4_weights:
         return "off", None  # no 4-bit weights: nothing to lay out
-    if compute_capability is None:
-        compute_capability = attention.device_compute_capability()
     refusal = auto_int4_layout_refusal(model, device_memory, compute_capability)
     return ("off" if refusal else "both"), refusal
 
@@ -73,7 +71,8 @@ def with_int4_layout(model: LoadedModel, mode: str, *, donate: bool = False) -> 
     device, as the engine and the benchmarks that time its steps build them; ``donate`` as
     :meth:`LoadedModel.with_int4_n_major`."""
     layout, kept_packed_only = resolve_int4_layout(
-        mode, model, total_device_memory(model_device(model)))
+        mode, model, total_device_memory(model_device(model)),
+        attention.device_compute_capability())
     if kept_packed_only:
         logger.info("4-bit weights: packed words only (%s)", kept_packed_only)
     elif layout == "both" and model.has_int4_weights:
