@@ -50,9 +50,9 @@
 #   kernel's GPU tests (g9), then int4_matmul --hopper at 1 / 16 / 128 / 512 tokens (> 145 s:
 #   cut after gate_up on 2026-12-05); "t1ah": g9, then the AWQ engine through it
 #   (JAXLLM_INT4_HOPPER=on), offline and its decode steps at 1 / 64 / 256 rows (~4 minutes),
-#   beside "t1a l16"; "t1ab": g9, then the AWQ engine with both layouts
-#   (JAXLLM_INT4_HOPPER=both) offline and its one-row step beside the default's (~5 minutes),
-#   beside "t1a"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
+#   beside "t1a l16"; "t1ab": g9, then the AWQ engine with the packed words only
+#   (JAXLLM_INT4_HOPPER=off) offline and its one-row step beside the default's ("auto"; ~5
+#   minutes), beside "t1a"; "p1s": the AWQ batch-1 step traced (p1) with every projection's GEMV,
 #   the LM head and the attention kernel timed by position in the step (--sequence); "p1l":
 #   the same with every GEMV loading its step's words first (loads_first); "p1g": with
 #   gate_up's loads first (the "gate_up_256" candidate table); "p1k": with the split-K sums in
@@ -332,15 +332,16 @@ only17() {
         --output-json "$DIR/t1ah_sharegpt_awq_hopper.json"
       picked t1ah && step l16h_latency_awq_hopper 40 200 bash -c "JAXLLM_INT4_HOPPER=on \
         $PY ${LATENCY//$'\n'/ } -q awq --output-json $DIR/l16h_awq_hopper.json"
-      # t1ab: the AWQ engine with both layouts (JAXLLM_INT4_HOPPER=both: the GEMV's 1-16
-      # tokens on the packed words, 17-512 on the N-major copy, more on the packed words
-      # through XLA), offline beside t1a; then the
-      # one-row AWQ step by device time under both and by default, one process each
-      picked t1ab && step t1ab_sharegpt_awq_both 150 300 env JAXLLM_INT4_HOPPER=both $PY \
+      # t1ab: the AWQ engine with the packed words only (JAXLLM_INT4_HOPPER=off, the default
+      # until 2026-12-07) offline beside t1a (the default, "auto": on a Hopper GPU both
+      # layouts, the GEMV's 1-16 tokens on the packed words, 17-512 on the N-major copy, more
+      # on the packed words through XLA); then the one-row AWQ step by device time under
+      # both settings, one process each
+      picked t1ab && step t1ab_sharegpt_awq_packed 150 300 env JAXLLM_INT4_HOPPER=off $PY \
         $TIMELINE --dataset-name sharegpt-like --quantization awq \
-        --output-json "$DIR/t1ab_sharegpt_awq_both.json"
-      picked t1ab && step b1ab_latency_awq_one_row 40 200 bash -c "JAXLLM_INT4_HOPPER=both \
-        $PY ${lat/1,64,256/1} -q awq --device-time --output-json $DIR/b1ab_awq_both.json; \
+        --output-json "$DIR/t1ab_sharegpt_awq_packed.json"
+      picked t1ab && step b1ab_latency_awq_one_row 40 200 bash -c "JAXLLM_INT4_HOPPER=off \
+        $PY ${lat/1,64,256/1} -q awq --device-time --output-json $DIR/b1ab_awq_packed.json; \
         $PY ${lat/1,64,256/1} -q awq --device-time --output-json $DIR/b1ab_awq.json"
     fi
     picked p1s && step p1s_profile_awq_b1_sequence 70 150 $PY -m jaxllm.benchmarks.step_profile $ONE \

@@ -21,7 +21,8 @@ as the kernel, its per-output-channel parts as the kernel's output axis):
   and a Hopper GPU runs 1-4 tokens through the N-major GEMV, up to
   :data:`INT4_HOPPER_MAX_TOKENS` through one Mosaic GPU kernel and more through XLA;
   ``JAXLLM_INT4_HOPPER=both`` keeps both layouts (``Int4Weight.n_major``) and gives the GEMV's
-  tokens to the packed words, the Mosaic GPU kernel's to the N-major copy.
+  tokens to the packed words, the Mosaic GPU kernel's to the N-major copy (the default,
+  ``auto``, keeps both on a Hopper GPU where the copy is small beside the card).
   Elsewhere, for more tokens, under tensor parallelism, or for a shape the kernels cannot
   tile, XLA dequantizes the whole weight and dots it (the kernels' reference: CPU results are
   that path's).
@@ -113,9 +114,9 @@ class Int4Weight:
     projections' column orders and a tensor-parallel split of either axis select words.
 
     ``n_major``: the same weight also stored N-major (``JAXLLM_INT4_HOPPER=both``, made at
-    load by :func:`int4_n_major`): projections of more tokens than the GEMV's, up to
-    :data:`INT4_HOPPER_MAX_TOKENS`, read that copy instead (the Hopper kernel); None (the
-    default) keeps the packed words only."""
+    load by :func:`int4_n_major`; "auto" on a Hopper GPU): projections of more tokens than the
+    GEMV's, up to :data:`INT4_HOPPER_MAX_TOKENS`, read that copy instead (the Hopper kernel);
+    None keeps the packed words only."""
 
     qweight: jax.Array
     scales: jax.Array
@@ -164,16 +165,17 @@ class Int4WeightNK:
 # (Int4WeightNK) and every 4-bit projection runs over them: the N-major GEMV at 1-4 tokens
 # (gemv_nk.py), the Mosaic GPU kernel above (pallas_kernels/quantized_matmul/hopper.py, the
 # weight as wgmma's register operand), instead of the GEMV, the tiled Triton kernel and XLA's
-# dequantize and dot. Off by default: alone on the H200 the Hopper kernel beat XLA's path 3.2x
-# at 128 tokens and lost to the GEMV at 1-16 (RESULTS.md, 2026-12-05, i5), and through the
-# engine on the H100 (2026-12-07) it made the offline run 1.15x faster (its 17-512-row decode
-# steps up to 2x) but the one-row step ~32% slower (3.8 ms back to back against ~2.9; the
-# N-major GEMV's best of 18 configs for each projection took 89.0 us a layer against the packed
-# one's 67.5, another H100 the same day):
-# the issue's AWQ goal is that step. JAXLLM_INT4_HOPPER=both keeps the packed words beside the
-# N-major copy (the 4-bit weights' bytes twice: +3.5 GB for Llama-3-8B): the GEMV's 1-16
-# tokens read the packed words with every fusion of the default, 17 to INT4_HOPPER_MAX_TOKENS
-# the copy (the Hopper kernel), more the packed words (XLA); not yet timed through the engine.
+# dequantize and dot. Alone on the H200 the Hopper kernel beat XLA's path 3.2x at 128 tokens
+# and lost to the GEMV at 1-16 (RESULTS.md, 2026-12-05, i5); through the engine on the H100
+# (2026-12-07) "on" made the offline run 1.15x faster but the one-row step ~32% slower (the
+# N-major GEMV reads its weight at ~3/4 the packed one's rate). JAXLLM_INT4_HOPPER=both keeps
+# the packed words beside the N-major copy (the 4-bit weights' bytes twice: +3.5 GB for
+# Llama-3-8B): 1-16 tokens read the packed words with every fusion of the packed-only layout,
+# 17 to INT4_HOPPER_MAX_TOKENS the copy (the Hopper kernel), more the packed words (XLA). On
+# an H100 (2026-12-07, 0ba3d45) it gave the offline run 1.16x ("off" 8,951 output tok/s,
+# "both" 10,366) and the one-row step the same device time (2.76 against 2.77 ms). The
+# default, "auto" (jaxllm/engine/int4_layout.py), keeps both where that copy is small beside
+# a Hopper card, the packed words only elsewhere.
 # Read where the engine loads, so listed among the executable cache's program variables
 # (executable_cache.PROGRAM_ENV).
 INT4_HOPPER_ENV = "JAXLLM_INT4_HOPPER"
@@ -182,10 +184,10 @@ INT4_HOPPER_MODES = (*INT4_LAYOUTS, "auto")
 
 
 def int4_hopper_mode(environ=os.environ) -> str:
-    """``JAXLLM_INT4_HOPPER``'s value: "off" (unset: the packed words only), "on" (N-major
-    only), "both", or "auto" ("both" where it pays: :mod:`jaxllm.engine.int4_layout`); a
-    clear error for any other value."""
-    return env_choice(environ, INT4_HOPPER_ENV, INT4_HOPPER_MODES)
+    """``JAXLLM_INT4_HOPPER``'s value: "auto" (unset: "both" where it pays, "off" elsewhere:
+    :mod:`jaxllm.engine.int4_layout`), "off" (the packed words only), "on" (N-major only) or
+    "both"; a clear error for any other value."""
+    return env_choice(environ, INT4_HOPPER_ENV, INT4_HOPPER_MODES, default="auto")
 
 
 def int4_n_major(params: Any, *, donate: bool = False, keep_packed: bool = False) -> Any:

@@ -4,8 +4,9 @@ register operand, upcast and dequantized in registers, for the AWQ engine's mid-
 Tested on the H200 against the reference (tests/test_int4_hopper.py's GPU tests) and timed at
 Llama-3-8B's gate_up (benchmarks/RESULTS.md, 2026-12-05: 65.8 us at 128 tokens against 209.7
 for XLA's dequantize + dot and 91.5 for bf16; at 1-16 tokens slower than the GEMV). The engine
-runs it only under ``JAXLLM_INT4_HOPPER=on`` (off by default, its engine runs not yet timed; the
-weights then stored N-major at load: ``jaxllm.layers.linear.Int4WeightNK``).
+runs it over an N-major copy of the weights made at load (``jaxllm.layers.linear.Int4WeightNK``)
+under ``JAXLLM_INT4_HOPPER`` "on", "both", or the default "auto" where that resolves to "both"
+(on an H100, 2026-12-07: the AWQ engine's offline run 1.16x the packed words' alone).
 The Triton kernels cannot do this: in their sm_90 SASS the unpacked weight reaches wgmma
 through shared memory one bf16 at a time (benchmarks/RESULTS.md, 2026-12-05).
 
