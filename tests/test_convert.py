@@ -88,8 +88,13 @@ def test_what_a_converted_checkpoint_cannot_honour_is_refused(tmp_path, capsys):
     with pytest.raises(ValueError, match="converted with dtype float32: load it with dtype "
                                          "auto, or convert again with --dtype bfloat16"):
         jaxllm.load_model(out, dtype="bfloat16")
-    with pytest.raises(ValueError, match="converted with quantization int8"):
-        jaxllm.load_model(out, quantization="fp8")
+    with pytest.raises(ValueError, match="converted with quantization int8: load it without "
+                                         "--quantization, or convert again with --quantization "
+                                         "fp8"):
+        jaxllm.load_model(out, quantization="compressed-tensors")
+    with pytest.raises(ValueError, match="or convert a gptq checkpoint \\(convert keeps its "
+                                         "quantization\\)"):
+        jaxllm.load_model(out, quantization="gptq_marlin")
     # Never over an existing checkpoint; a directory without the metadata is not one.
     assert cli_main(["convert", SOURCE, out]) == 2
     assert "exists and is not an empty directory: convert never overwrites" in \

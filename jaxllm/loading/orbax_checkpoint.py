@@ -30,6 +30,7 @@ from jaxllm.model_config import ModelConfig, RopeScaling
 from jaxllm.models.llama import unstack_layer_params
 from jaxllm.quantization import QuantizationConfig, quantization_method
 from jaxllm.quantization.apply import stand_in_shape
+from jaxllm.quantization.config import IMPLEMENTED
 
 METADATA_FILE = "jaxllm_checkpoint.json"
 # 2: Fp8Weight stored transposed (``qt`` [.., N, K], the FP8 GEMM's layout); a format-1
@@ -141,10 +142,14 @@ class ConvertedCheckpoint:
                              f"with dtype auto, or convert again with --dtype "
                              f"{jnp.dtype(dtype).name}")
         method = self.quantization.method if self.quantization else None
-        if quantization is not None and quantization_method(quantization) != method:
+        wanted = quantization_method(quantization)
+        if quantization is not None and wanted != method:
+            # convert quantizes float weights with the load-time methods only; a 4-bit model
+            # comes from a checkpoint already in that format
+            remedy = (f"convert again with --quantization {wanted}" if wanted in IMPLEMENTED
+                      else f"convert a {wanted} checkpoint (convert keeps its quantization)")
             raise ValueError(f"{self.path} was converted with quantization {method}: load it "
-                             f"without --quantization, or convert again with --quantization "
-                             f"{quantization}")
+                             f"without --quantization, or {remedy}")
 
     def abstract_params(self) -> Any:
         """The params' pytree of ShapeDtypeStructs (one device), as saved."""
